@@ -1,0 +1,26 @@
+# `make test` and `make demo` set themselves up: a .venv at the repo root, the package installed (editable) with
+# the pinned versions in constraints.txt. The stamp file re-runs the install only when the pins or metadata change.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+PYTEST_ARGS ?=
+
+.PHONY: test demo bench clean
+
+$(PY):
+	$(PYTHON) -m venv $(VENV)
+
+$(STAMP): $(PY) pyproject.toml constraints.txt
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,demo]"
+	touch $(STAMP)
+
+test: $(STAMP)
+	$(PY) -m pytest $(PYTEST_ARGS)
+
+demo: $(STAMP)
+	$(PY) examples/lora_finetune.py
+
+clean:
+	rm -rf $(VENV) outputs lightning_logs .pytest_cache

@@ -1,0 +1,21 @@
+"""lightning-fsdp2: PyTorch FSDP2 (``fully_shard``) as a Lightning ``Trainer`` strategy.
+
+``import lightning_fsdp2`` registers the strategy with Lightning, so ``Trainer(strategy="fsdp2")`` works.
+"""
+
+import torch
+
+from lightning_fsdp2._version_check import check_torch_version
+
+check_torch_version(torch.__version__)
+
+from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
+
+from lightning_fsdp2.init import UninitializedError  # noqa: E402
+from lightning_fsdp2.precision import FSDP2Precision  # noqa: E402
+from lightning_fsdp2.strategy import FSDP2Strategy  # noqa: E402
+
+FSDP2Strategy.register_strategies(StrategyRegistry)
+
+__version__ = "0.1.0"
+__all__ = ["FSDP2Precision", "FSDP2Strategy", "UninitializedError", "__version__"]

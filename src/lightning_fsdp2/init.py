@@ -1,0 +1,275 @@
+"""Meta-device construction, and giving each rank's shard real storage and values afterwards.
+
+Three words, kept apart (see ``shared/STYLE.md``): *materialize* = allocate real storage for meta tensors;
+*initialize* = give them values by the model's own rules; *load* = values from a checkpoint (``checkpoint.py``).
+
+Why meta at all: a model built eagerly occupies its full size on every rank before sharding can cut it down. Built on
+``meta`` it costs nothing; after ``fully_shard`` each parameter is a ``DTensor`` whose local piece is this rank's
+shard, and only that piece is allocated.
+
+Why buffers stay real: non-persistent buffers (RoPE ``inv_freq``, causal masks) are in no checkpoint, and a meta
+tensor has no values to recover them from. :func:`meta_init_context` therefore sends only *parameters* to ``meta``;
+buffers are computed for real during construction (they are small). If the user builds under their own
+``torch.device("meta")`` the buffers are meta too; then the model's own init rules must restore them (Hugging Face
+models do), or :func:`check_initialized` names them.
+
+Why a NaN sentinel: materialized storage is filled with NaN before the init rules run. Whatever a rule did not
+write is still NaN afterwards, so a parameter that no rule covers is detected and named instead of training on
+whatever bytes ``torch.empty`` returned.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Generator, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+__all__ = [
+    "UninitializedError",
+    "check_initialized",
+    "initialize_module",
+    "materialize_module",
+    "meta_init_context",
+]
+
+
+class UninitializedError(RuntimeError):
+    """Raised when parameters or buffers were left without values after materialization."""
+
+
+@contextmanager
+def meta_init_context() -> Generator[None, None, None]:
+    """Create parameters on ``meta`` and buffers for real while the block runs.
+
+    Every ``nn.Parameter`` registered on a module is moved to ``meta`` the moment it is registered; whatever the
+    module's ``__init__`` then does to it (``reset_parameters``) is a no-op. Tensors that are not parameters stay
+    where they were created, so buffers keep the exact values an eager build gives them.
+    """
+    original = nn.Module.register_parameter
+
+    def register_parameter(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        original(module, name, param)
+        if param is not None and not param.is_meta:
+            meta = param.to("meta")
+            new = nn.Parameter(meta, requires_grad=param.requires_grad) if type(param) is nn.Parameter else meta
+            new.__dict__.update(param.__dict__)
+            module._parameters[name] = new
+
+    nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def named_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
+    """Parameters then buffers of ``module`` with their clean names (each shared tensor once)."""
+    yield from module.named_parameters()
+    yield from module.named_buffers()
+
+
+def meta_tensor_names(module: nn.Module) -> list[str]:
+    """Names of the parameters and buffers of ``module`` that are still on ``meta``."""
+    return [name for name, tensor in named_tensors(module) if tensor.is_meta]
+
+
+def materialize_module(module: nn.Module, device: torch.device) -> list[str]:
+    """Allocate real storage on ``device`` for every meta tensor of ``module``; return their names.
+
+    On a sharded model this allocates only the local shard of each parameter. New storage is filled with NaN
+    (integers with their maximum) so that :func:`check_initialized` can tell what no rule wrote. Tensors that are
+    already real (buffers built eagerly, parameters of a module built outside ``meta``) keep their values and are
+    only moved to ``device``.
+    """
+    materialized = meta_tensor_names(module)
+    if not materialized:
+        return []
+
+    def allocate(tensor: Tensor) -> Tensor:
+        if not tensor.is_meta:
+            return tensor.to(device)
+        out = torch.empty_like(tensor, device=device)
+        return out.fill_(_sentinel(out.dtype)) if out.dtype != torch.bool else out.zero_()
+
+    # `_apply` is what `Module.to_empty` uses; FSDP2 hooks it to re-register the new local shards. Unlike
+    # `to_empty`, this keeps the values of tensors that were already real.
+    with torch.no_grad():
+        module._apply(allocate)
+    return materialized
+
+
+def _sentinel(dtype: torch.dtype) -> float | int:
+    return math.nan if dtype.is_floating_point or dtype.is_complex else torch.iinfo(dtype).max
+
+
+InitRule = Callable[[nn.Module, set[str]], None]
+"""An initialization rule ``(model, materialized_names)``: gives values to materialized tensors, in place."""
+
+
+@torch.no_grad()
+def initialize_module(module: nn.Module, materialized: list[str], rules: list[InitRule] | None = None) -> None:
+    """Initialize the materialized tensors of a model by the rules its own code would have applied eagerly.
+
+    The default rules run in the order an eager build applies them:
+
+    1. PyTorch's own: ``reset_parameters()`` (or ``_reset_parameters()``, as in ``nn.MultiheadAttention`` and
+       ``nn.Transformer``), children before parents, just as constructors run.
+    2. Hugging Face: each outermost ``PreTrainedModel``'s ``initialize_weights()`` (its ``_init_weights``), which
+       also recomputes rotary ``inv_freq`` buffers.
+    3. peft: ``reset_lora_parameters`` with each adapter's own ``init_lora_weights`` (``lora_B`` zero), last,
+       since adapters are injected after the base model is built.
+
+    Only modules holding a materialized tensor are touched, so values that were real before (buffers computed during
+    construction, parts built outside ``meta``) survive. On CPU meshes, where DTensor has no distributed RNG, random
+    draws use a per-rank seed derived from the current one, so shards of one weight are not copies of each other.
+    """
+    if not materialized:
+        return
+    rules = default_init_rules() if rules is None else rules
+    names = set(materialized)
+    with _distinct_rng_per_rank(module):
+        for rule in rules:
+            rule(module, names)
+
+
+def default_init_rules() -> list[InitRule]:
+    """The rules :func:`initialize_module` applies by default, in order."""
+    return [reset_parameters_rule, hf_init_rule, peft_lora_rule]
+
+
+def reset_parameters_rule(module: nn.Module, materialized: set[str]) -> None:
+    """Call ``reset_parameters`` (or ``_reset_parameters``) on modules holding materialized tensors, post-order."""
+    holders = _modules_holding(module, materialized)
+    for name, sub in reversed(list(module.named_modules())):
+        reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
+        if callable(reset) and name in holders:
+            reset()
+
+
+def hf_init_rule(module: nn.Module, materialized: set[str]) -> None:
+    """Run Hugging Face's own weight init on every outermost ``PreTrainedModel`` inside ``module``.
+
+    Tensors that were real before materialization get Hugging Face's ``_is_hf_initialized`` mark for the duration,
+    so its guarded init functions leave them alone; module marks left from the meta build are cleared first.
+    """
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return
+    keep = [t for name, t in named_tensors(module) if name not in materialized]
+    for tensor in keep:
+        tensor._is_hf_initialized = True  # type: ignore[attr-defined]
+    try:
+        for sub in _outermost(module, PreTrainedModel):
+            for m in sub.modules():
+                m.__dict__.pop("_is_hf_initialized", None)
+            sub.initialize_weights()
+    finally:
+        for tensor in keep:
+            tensor.__dict__.pop("_is_hf_initialized", None)
+
+
+def peft_lora_rule(module: nn.Module, materialized: set[str]) -> None:
+    """Initialize LoRA adapters as peft does, with each adapter's own ``init_lora_weights`` setting."""
+    try:
+        from peft.tuners.lora import LoraLayer
+        from peft.tuners.tuners_utils import BaseTuner
+    except ImportError:
+        return
+    configs: dict[str, Any] = {}
+    for sub in module.modules():
+        if isinstance(sub, BaseTuner):
+            configs.update(sub.peft_config)
+    holders = _modules_holding(module, materialized)
+    for name, sub in module.named_modules():
+        if not isinstance(sub, LoraLayer) or name not in holders:
+            continue
+        for adapter in list(sub.lora_A.keys()) + list(sub.lora_embedding_A.keys()):
+            init = getattr(configs.get(adapter), "init_lora_weights", True)
+            if init not in (True, False, "gaussian"):
+                raise ValueError(
+                    f"LoRA adapter {adapter!r} at {name!r} uses init_lora_weights={init!r}, which derives adapters"
+                    " from the base weights; that cannot run on a meta-built sharded model. Use"
+                    " init_lora_weights=True or 'gaussian', or start from saved adapters."
+                )
+            sub.reset_lora_parameters(adapter, init)
+
+
+def _modules_holding(module: nn.Module, materialized: set[str]) -> set[str]:
+    """Names of modules with a materialized tensor at or below them."""
+    holders: set[str] = set()
+    for name in materialized:
+        parts = name.split(".")[:-1]
+        holders.update(".".join(parts[:i]) for i in range(len(parts) + 1))
+    return holders
+
+
+def _outermost(module: nn.Module, cls: type) -> list[nn.Module]:
+    """Instances of ``cls`` in ``module`` that are not inside another instance (pre-order sees parents first)."""
+    names: list[str] = []
+    found: list[nn.Module] = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, cls) and not any(n == "" or name.startswith(f"{n}.") for n in names):
+            names.append(name)
+            found.append(sub)
+    return found
+
+
+@contextmanager
+def _distinct_rng_per_rank(module: nn.Module) -> Generator[None, None, None]:
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._random import is_rng_supported_mesh
+
+    dtensor = next((p for p in module.parameters() if isinstance(p, DTensor)), None)
+    if dtensor is None or not dist.is_initialized():
+        yield
+        return
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # DTensor warns once per random op on CPU meshes
+        if is_rng_supported_mesh(dtensor.device_mesh):
+            yield
+            return
+        with torch.random.fork_rng(devices=[]):
+            torch.manual_seed((torch.initial_seed() + 7919 * dist.get_rank()) % 2**63)
+            yield
+
+
+def check_initialized(module: nn.Module, names: list[str], device: torch.device) -> None:
+    """Raise :class:`UninitializedError` naming every tensor in ``names`` that still holds the sentinel.
+
+    Every rank checks its own shards, then one all-reduce makes all ranks agree, so all raise (or none does) and
+    no rank is left waiting in a collective.
+    """
+    if not names:
+        return
+    tensors = dict(named_tensors(module))
+    flags = torch.tensor([_holds_sentinel(tensors[name]) for name in names], dtype=torch.int32, device=device)
+    if dist.is_initialized():
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+    missing = [name for name, flag in zip(names, flags.tolist()) if flag]
+    if missing:
+        shown = ", ".join(repr(n) for n in missing[:20]) + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
+        raise UninitializedError(
+            f"{len(missing)} tensor(s) built on the meta device were given no values by any init rule: {shown}. "
+            "Give their module a `reset_parameters()` method, load them from a checkpoint with "
+            "`lightning_fsdp2.load_pretrained`, or build them outside `torch.device('meta')` "
+            "(FSDP2Strategy already keeps buffers real unless you wrap configure_model in torch.device('meta'))."
+        )
+
+
+def _holds_sentinel(tensor: Tensor) -> bool:
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if local.numel() == 0 or local.dtype == torch.bool:
+        return False
+    if local.dtype.is_floating_point or local.dtype.is_complex:
+        return bool(torch.isnan(local).any())
+    return bool((local == torch.iinfo(local.dtype).max).any())

@@ -1,0 +1,186 @@
+"""Lightning precision plugin for FSDP2.
+
+Two families, two mechanisms:
+
+* ``"*-true"`` (``"bf16-true"``, ``"16-true"``): parameters are *stored* in the low dtype. The plugin converts the
+  module with ``module.to(dtype)`` before sharding (cheap on ``meta``) and sets the default dtype while
+  ``configure_model`` runs, so ``LightningModule.dtype`` reports the real dtype.
+* ``"*-mixed"`` (``"bf16-mixed"``, ``"16-mixed"``): parameters stay fp32 (the sharded master weights the optimizer
+  updates); FSDP2's :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` casts them to the low dtype when it
+  all-gathers them, and reduces gradients in fp32. No autocast is involved, so it works on any device.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator, Iterable
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Literal, cast, get_args
+
+import torch
+from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.pytorch.plugins.precision.precision import Precision
+from lightning_utilities import apply_to_collection
+from torch import Tensor
+from torch.distributed.fsdp import MixedPrecisionPolicy
+from torch.distributed.tensor import DTensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+import lightning.pytorch as pl
+
+FSDP2PrecisionType = Literal["32-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed"]
+
+_LOW_DTYPE: dict[str, torch.dtype] = {
+    "bf16-true": torch.bfloat16,
+    "16-true": torch.float16,
+    "bf16-mixed": torch.bfloat16,
+    "16-mixed": torch.float16,
+}
+
+
+class FSDP2Precision(Precision):
+    """Precision plugin for :class:`~lightning_fsdp2.FSDP2Strategy`.
+
+    The strategy swaps Lightning's stock plugin (chosen from ``Trainer(precision=...)``) for this one, so users
+    normally never construct it. Pass it explicitly (``Trainer(plugins=FSDP2Precision("16-mixed"))``) to pick a
+    mode Lightning would otherwise rewrite, such as ``"16-mixed"`` on CPU.
+
+    Args:
+        precision: one of ``"32-true"``, ``"bf16-true"``, ``"16-true"``, ``"bf16-mixed"``, ``"16-mixed"``.
+        scaler: gradient scaler for ``"16-mixed"``; defaults to FSDP's ``ShardedGradScaler``, which agrees on
+            "found inf" across ranks (each rank sees only its shard of the gradients).
+    """
+
+    def __init__(self, precision: FSDP2PrecisionType = "32-true", scaler: Any | None = None) -> None:
+        supported = get_args(FSDP2PrecisionType)
+        if precision not in supported:
+            raise ValueError(
+                f"FSDP2Strategy does not support precision={precision!r}. Choose one of: {', '.join(supported)}."
+            )
+        if scaler is not None and precision != "16-mixed":
+            raise ValueError(f"A gradient scaler is only used with precision='16-mixed', not {precision!r}.")
+        self.precision = cast(FSDP2PrecisionType, precision)
+        self._low_dtype = _LOW_DTYPE.get(precision)
+        if precision == "16-mixed" and scaler is None:
+            # fp16 gradients overflow; the sharded scaler all-reduces its inf check so every rank skips together.
+            from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
+
+            scaler = ShardedGradScaler()
+        self.scaler = scaler
+
+    @property
+    def is_true_precision(self) -> bool:
+        """Whether parameters are stored in a low dtype (``"bf16-true"``, ``"16-true"``)."""
+        return self.precision in ("bf16-true", "16-true")
+
+    @property
+    def param_dtype(self) -> torch.dtype:
+        """The dtype the sharded parameters are stored in (the optimizer's dtype)."""
+        return self._low_dtype if self.is_true_precision and self._low_dtype is not None else torch.float32
+
+    @property
+    def mixed_precision_policy(self) -> MixedPrecisionPolicy:
+        """The FSDP2 policy for this precision: low-dtype compute with fp32 reduction for ``*-mixed``."""
+        if self.precision in ("bf16-mixed", "16-mixed"):
+            return MixedPrecisionPolicy(param_dtype=self._low_dtype, reduce_dtype=torch.float32)
+        return MixedPrecisionPolicy()
+
+    def convert_module(self, module: Module) -> Module:
+        """Store parameters (and floating buffers) in the low dtype for ``*-true``; leave them otherwise.
+
+        Called before sharding, so on a meta-built model this only changes metadata and no memory is touched.
+        """
+        if self.is_true_precision:
+            return module.to(dtype=self._low_dtype)
+        return module
+
+    def tensor_init_context(self) -> AbstractContextManager:
+        """Default dtype while ``configure_model`` runs, so tensors are born in the storage dtype."""
+        if self.is_true_precision:
+            return _DtypeContextManager(self._low_dtype)
+        return nullcontext()
+
+    def module_init_context(self) -> AbstractContextManager:
+        """Same as :meth:`tensor_init_context`."""
+        return self.tensor_init_context()
+
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """Tensors created inside ``*_step`` under ``*-true`` get the storage dtype, as with ``HalfPrecision``."""
+        with self.tensor_init_context():
+            yield
+
+    def convert_input(self, data: Any) -> Any:
+        """Cast floating inputs to the storage dtype under ``*-true``; FSDP2 casts them itself under ``*-mixed``."""
+        if self.is_true_precision:
+            return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self._low_dtype)
+        return data
+
+    def convert_output(self, data: Any) -> Any:
+        """Return floating outputs in the default dtype under ``*-true``, as Lightning's ``HalfPrecision`` does."""
+        if self.is_true_precision:
+            return apply_to_collection(
+                data, function=_convert_fp_tensor, dtype=Tensor, dst_type=torch.get_default_dtype()
+            )
+        return data
+
+    def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
+        """Scale the loss under ``"16-mixed"``."""
+        if self.scaler is not None:
+            tensor = self.scaler.scale(tensor)
+        return super().pre_backward(tensor, module)
+
+    def optimizer_step(  # type: ignore[override]
+        self,
+        optimizer: Optimizer,
+        model: pl.LightningModule,
+        closure: Callable[[], Any],
+        **kwargs: Any,
+    ) -> Any:
+        """Step the optimizer; under ``"16-mixed"`` unscale before clipping and let the scaler skip inf steps."""
+        if self.scaler is None:
+            return super().optimizer_step(optimizer, model=model, closure=closure, **kwargs)
+        closure_result = closure()
+        # Unscale before `_after_closure`, which runs gradient clipping: clipping must see true gradient values.
+        self.scaler.unscale_(optimizer)
+        self._after_closure(model, optimizer)
+        if not model.automatic_optimization or closure_result is not None:
+            step_output = self.scaler.step(optimizer, **kwargs)
+            self.scaler.update()
+            return step_output
+        return closure_result
+
+    def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
+        """Clip by the norm of the *whole* gradient, not of this rank's shard (see :func:`clip_grad_norm_`)."""
+        clip_grad_norm_(self.main_params(optimizer), clip_val)
+
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state, saved in checkpoints under ``"16-mixed"``."""
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the scaler's state."""
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+
+
+@torch.no_grad()
+def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+    """Clip gradients of (possibly sharded) parameters by their global norm; return that norm.
+
+    With FSDP2 each rank holds a shard of every gradient (a ``DTensor``). The norm that decides the clipping factor
+    must be the norm over all shards, or ranks would scale their pieces of one gradient differently. Reducing the
+    per-tensor norms to a plain tensor (``full_tensor()`` all-reduces the partial norms) makes that explicit, and
+    works whatever mix of sharded and replicated tensors the optimizer holds.
+    """
+    grads = [p.grad for p in parameters if p.grad is not None]
+    if not grads:
+        return torch.tensor(0.0)
+    total_norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
+    if isinstance(total_norm, DTensor):
+        total_norm = total_norm.full_tensor()
+    # A Python scalar multiplies plain and sharded gradients alike (a plain 0-dim tensor would not mix with DTensors).
+    clip_coef = min(max_norm / (float(total_norm) + 1e-6), 1.0)
+    if clip_coef < 1.0:
+        torch._foreach_mul_(grads, clip_coef)
+    return total_norm

@@ -1,0 +1,424 @@
+"""``FSDP2Strategy``: the Lightning strategy that runs a ``LightningModule`` sharded with FSDP2 ``fully_shard``.
+
+This module only orchestrates. The model's road through ``setup`` is, in order (see :meth:`FSDP2Strategy.parallelize`):
+
+1. ``configure_model`` runs under :meth:`tensor_init_context`: parameters on ``meta``, storage dtype set;
+2. the precision plugin converts the module (``*-true``: parameters stored in bf16/fp16);
+3. activation checkpointing on the chosen modules (``wrap.py``), before any FSDP hook exists;
+4. ``fully_shard`` bottom-up, then the root (``wrap.py``);
+5. each rank materializes and initializes only its own shards, then checks nothing was left unset (``init.py``);
+6. the optimizer is created over the sharded ``DTensor`` parameters (Lightning's ``setup_optimizers``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager, nullcontext
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.accelerators import Accelerator
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.optim import Optimizer
+
+from lightning_fsdp2.init import (
+    check_initialized,
+    initialize_module,
+    materialize_module,
+    meta_init_context,
+    meta_tensor_names,
+)
+from lightning_fsdp2.precision import FSDP2Precision
+from lightning_fsdp2.wrap import ModulePolicy, apply_activation_checkpointing, shard_model
+
+if TYPE_CHECKING:
+    import lightning.pytorch as pl
+
+StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+
+
+class FSDP2Strategy(ParallelStrategy):
+    """Fully Sharded Data Parallel with PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``).
+
+    The user's ``LightningModule`` builds its network in ``configure_model``; the strategy builds it on ``meta``,
+    shards it, and gives each rank real storage for its shard only. Nothing in user code calls ``fully_shard``.
+
+    Args:
+        auto_wrap_policy: which modules become their own FSDP group (all-gathered and freed together): a set of
+            module classes or a callable ``(name, module) -> bool``. Default: a Hugging Face model's
+            ``_no_split_modules``, else ``nn.TransformerEncoderLayer``/``nn.TransformerDecoderLayer``, else the
+            repeated children of an ``nn.ModuleList``. The root is always a group too.
+        activation_checkpointing_policy: modules whose activations are recomputed in backward (same forms as
+            ``auto_wrap_policy``); ``None`` for none. Applied before sharding.
+        mixed_precision: an FSDP2 ``MixedPrecisionPolicy`` that overrides the one derived from
+            ``Trainer(precision=...)``.
+        reshard_after_forward: ``True`` frees gathered parameters after forward (least memory), ``False`` keeps
+            them to backward (least communication), an ``int`` reshards to groups of that many ranks.
+        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only); ``True`` or a
+            ``CPUOffloadPolicy``.
+        meta_init: build parameters on ``meta`` in ``configure_model`` (default). ``False`` builds them for real on
+            the CPU first and shards them afterwards (every rank then holds the whole model for a moment).
+        process_group_backend: ``"gloo"``, ``"nccl"``...; default from the device (gloo on CPU, nccl on CUDA).
+        timeout: timeout of collective operations.
+        start_method: how Lightning starts the processes: ``"popen"`` re-runs the script (default, as ``DDPStrategy``),
+            or ``"spawn"``/``"fork"``/``"forkserver"`` through ``torch.multiprocessing``.
+    """
+
+    strategy_name = "fsdp2"
+
+    def __init__(
+        self,
+        *,
+        auto_wrap_policy: ModulePolicy | None = None,
+        activation_checkpointing_policy: ModulePolicy | None = None,
+        mixed_precision: MixedPrecisionPolicy | None = None,
+        reshard_after_forward: bool | int = True,
+        cpu_offload: bool | CPUOffloadPolicy = False,
+        meta_init: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: StartMethod = "popen",
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if start_method not in ("popen", "spawn", "fork", "forkserver"):
+            raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
+        self._auto_wrap_policy = auto_wrap_policy
+        self._activation_checkpointing_policy = activation_checkpointing_policy
+        self._mixed_precision = mixed_precision
+        self._reshard_after_forward = reshard_after_forward
+        self._offload_policy: OffloadPolicy | None = (
+            cpu_offload if isinstance(cpu_offload, OffloadPolicy) else (CPUOffloadPolicy() if cpu_offload else None)
+        )
+        self._meta_init = meta_init
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method = start_method
+        self._device_mesh: DeviceMesh | None = None
+        self.num_nodes = 1
+
+    # ---------------------------------------------------------------- Lightning plumbing: processes and devices
+    @property
+    def precision_plugin(self) -> FSDP2Precision:
+        """The :class:`FSDP2Precision` in use (Lightning's stock plugins are converted on assignment)."""
+        plugin = self._precision_plugin
+        return plugin if isinstance(plugin, FSDP2Precision) else FSDP2Precision()
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        self._precision_plugin = _as_fsdp2_precision(plugin)
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The 1-D mesh over all processes that parameters are sharded on."""
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists only after the processes have been set up (in `fit`).")
+        return self._device_mesh
+
+    @property
+    def root_device(self) -> torch.device:
+        """This process's device."""
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_processes(self) -> int:
+        """Processes on this node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Each rank reads a different part of the data."""
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def is_distributed(self) -> bool:
+        """Tells Lightning to add a ``DistributedSampler`` and sync logged metrics (it only knows its own strategies)."""
+        return True
+
+    @property
+    def process_group_backend(self) -> str | None:
+        """The backend of the default process group."""
+        return self._process_group_backend
+
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        """Checkpoints are loaded into the sharded model, so after ``setup``."""
+        return True
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        """Optimizer state is restored by :meth:`load_optimizer_state_dict` below, not by Lightning."""
+        return False
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if self._start_method == "popen":
+            if not self.cluster_environment.creates_processes_externally:
+                self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+
+    def setup_environment(self) -> None:
+        """Start the process group and build the device mesh."""
+        super().setup_environment()
+        if self._offload_policy is not None and self.root_device.type == "cpu":
+            raise ValueError(
+                "FSDP2Strategy(cpu_offload=True) moves parameters from an accelerator to CPU memory, but this run is"
+                " already on the CPU. Remove `cpu_offload`, or train on GPUs (`Trainer(accelerator='cuda')`)."
+            )
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+        self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("shard",))
+        assert self.lightning_module is not None
+        self.lightning_module._device_mesh = self._device_mesh  # as ModelParallelStrategy: visible in configure_model
+
+    def set_world_ranks(self) -> None:
+        """Tell the cluster environment and ``rank_zero_only`` this process's global rank."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ---------------------------------------------------------------- the model's road
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """Where ``configure_model`` runs: parameters on ``meta`` (unless ``meta_init=False``), storage dtype set."""
+        meta = self._meta_init if empty_init is None else empty_init
+        with meta_init_context() if meta else nullcontext(), self.precision_plugin.tensor_init_context():
+            yield
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        """Shard the model built by ``configure_model``, then create the optimizers over the shards."""
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        assert self.lightning_module is not None
+        self.model = self.parallelize(self.lightning_module)
+        # LightningModule.device is what users create tensors on; FSDP2 moved the storage itself.
+        self.lightning_module._device = self.root_device
+        self.barrier()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+
+    def parallelize(self, module: pl.LightningModule) -> pl.LightningModule:
+        """Convert, checkpoint, shard, materialize and initialize ``module`` in place; a no-op if already done."""
+        if isinstance(module, FSDPModule):
+            _check_not_rebuilt(module)
+            return module
+        _check_no_fsdp1(module)
+        _check_built(module)
+        module = self.precision_plugin.convert_module(module)
+        if self._activation_checkpointing_policy is not None:
+            apply_activation_checkpointing(module, self._activation_checkpointing_policy)
+        shard_model(
+            module,
+            self.device_mesh,
+            self._auto_wrap_policy,
+            mp_policy=self._mixed_precision or self.precision_plugin.mixed_precision_policy,
+            offload_policy=self._offload_policy,
+            reshard_after_forward=self._reshard_after_forward,
+        )
+        # Offloaded shards live in CPU memory; FSDP2 copies them to the device when it gathers them.
+        storage = torch.device("cpu") if self._offload_policy is not None else self.root_device
+        materialized = materialize_module(module, storage)
+        initialize_module(module, materialized)
+        check_initialized(module, materialized, self.root_device)
+        return module
+
+    def model_to_device(self) -> None:
+        """Nothing to do: ``fully_shard`` and materialization placed every shard on its device."""
+
+    # ---------------------------------------------------------------- steps: through the root's __call__
+    # Lightning calls `training_step`, not `forward`, but FSDP2's root hooks (gather the root group, cast inputs,
+    # arm the backward hooks) fire on `Module.__call__`. The redirection routes each step through `__call__`.
+    def training_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run ``training_step`` through the root module's FSDP hooks."""
+        with self.precision_plugin.train_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
+
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run ``validation_step`` through the root module's FSDP hooks."""
+        with self.precision_plugin.val_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
+
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run ``test_step`` through the root module's FSDP hooks."""
+        with self.precision_plugin.test_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
+
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        """Run ``predict_step`` through the root module's FSDP hooks."""
+        with self.precision_plugin.predict_step_context():
+            return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Skip the gradient reduce-scatter on micro-batches that only accumulate (``accumulate_grad_batches``)."""
+        if not isinstance(self.model, FSDPModule):
+            yield
+            return
+        self.model.set_requires_gradient_sync(False)
+        try:
+            yield
+        finally:
+            self.model.set_requires_gradient_sync(True)
+
+    # ---------------------------------------------------------------- collectives
+    def barrier(self, name: str | None = None) -> None:
+        """Wait for all processes."""
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Send a picklable object from ``src`` to every process."""
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
+        return holder[0]
+
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        """Reduce a tensor over all processes (mean by default), e.g. for ``self.log(..., sync_dist=True)``."""
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def teardown(self) -> None:
+        """Release the cluster environment, precision plugin and accelerator."""
+        assert self.cluster_environment is not None
+        assert self.accelerator is not None
+        self.cluster_environment.teardown()
+        self.precision_plugin.teardown()
+        self.accelerator.teardown()
+
+    # ---------------------------------------------------------------- checkpoints (full state dict)
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The whole model's state dict with clean names, gathered to rank 0 on CPU (empty on other ranks)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+        assert self.model is not None
+        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load a full state dict into the sharded model: each rank keeps the slices its shards hold."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        assert self.model is not None
+        set_model_state_dict(
+            self.model, checkpoint["state_dict"], options=StateDictOptions(full_state_dict=True, strict=strict)
+        )
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        """The optimizer's state keyed by parameter name, gathered to rank 0 on CPU."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
+
+        assert self.model is not None
+        optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
+        return get_optimizer_state_dict(
+            self.model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
+        )
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        """Load each optimizer's full state into its sharded state."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+
+        assert self.model is not None
+        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
+            set_optimizer_state_dict(
+                self.model, optimizer, state, options=StateDictOptions(full_state_dict=True)
+            )
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register as ``"fsdp2"`` in Lightning's ``StrategyRegistry``."""
+        if "fsdp2" not in strategy_registry:
+            strategy_registry.register("fsdp2", cls, description="FSDP2 (fully_shard) from lightning-fsdp2")
+
+
+def _as_fsdp2_precision(plugin: Precision | None) -> FSDP2Precision | None:
+    """Turn the stock plugin Lightning picked from ``Trainer(precision=...)`` into an :class:`FSDP2Precision`."""
+    if plugin is None or isinstance(plugin, FSDP2Precision):
+        return plugin
+    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
+
+    if type(plugin) in (Precision, HalfPrecision, MixedPrecision, DoublePrecision):
+        return FSDP2Precision(plugin.precision)  # type: ignore[arg-type]  # FSDP2Precision validates the value
+    raise TypeError(
+        f"FSDP2Strategy works with FSDP2Precision, not {type(plugin).__name__}. Pass `Trainer(precision=...)` with one"
+        " of '32-true', 'bf16-true', '16-true', 'bf16-mixed', '16-mixed', or an FSDP2Precision plugin."
+    )
+
+
+def _check_no_fsdp1(module: nn.Module) -> None:
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrapped = [name or "<root>" for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)]
+    if wrapped:
+        raise TypeError(
+            f"Modules {wrapped} are wrapped in FSDP1's FullyShardedDataParallel. FSDP2Strategy shards the model"
+            " itself with FSDP2: build the plain modules in `configure_model` and remove the FullyShardedDataParallel"
+            " wrapping."
+        )
+
+
+def _check_built(module: nn.Module) -> None:
+    if not any(True for _ in module.parameters()):
+        raise RuntimeError(
+            f"{type(module).__name__} has no parameters to shard. Build the network in `configure_model` (or"
+            " `__init__`) and assign it to an attribute, e.g. `self.model = AutoModelForCausalLM.from_config(...)`."
+        )
+
+
+def _check_not_rebuilt(module: nn.Module) -> None:
+    rebuilt = meta_tensor_names(module)
+    if rebuilt:
+        raise RuntimeError(
+            f"`configure_model` built new layers on a model that is already sharded ({rebuilt[:5]}...). Lightning"
+            " calls it again for every `fit`/`validate`/`test`/`predict`; make it return early when the layers exist,"
+            " e.g. `if self.model is not None: return`."
+        )

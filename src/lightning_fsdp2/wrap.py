@@ -1,0 +1,156 @@
+"""Which modules become FSDP2 groups, and activation checkpointing (applied before sharding).
+
+Each ``fully_shard(module)`` call makes one *group*: the parameters of ``module`` not already claimed by an inner
+group are all-gathered together before its forward and freed after. Groups must therefore be created inner-first
+(post-order): ``fully_shard`` on a block claims everything below it, so a later call on an inner module would find its
+parameters taken. The root is sharded last and picks up the stragglers (embeddings, final norm, head).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Union
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+
+ModulePolicy = Union[set[type[nn.Module]], Callable[[str, nn.Module], bool]]
+"""A set of module classes, or a callable ``(qualified_name, module) -> bool`` that selects modules."""
+
+
+def default_block_classes(model: nn.Module) -> set[type[nn.Module]]:
+    """The module classes to shard one by one when the user names none.
+
+    In order of preference: the classes a Hugging Face model lists in ``_no_split_modules`` (its own statement of
+    what a "block" is); PyTorch's transformer layers; else the class of the repeated children of an
+    ``nn.ModuleList`` (the usual way a stack of blocks is written).
+    """
+    names: set[str] = set()
+    for module in model.modules():
+        names.update(getattr(module, "_no_split_modules", None) or ())
+    if names:
+        found = {type(m) for m in model.modules() if type(m).__name__ in names}
+        if found:
+            return found
+    torch_layers = {type(m) for m in model.modules() if isinstance(m, (nn.TransformerEncoderLayer, nn.TransformerDecoderLayer))}
+    if torch_layers:
+        return torch_layers
+    repeated: set[type[nn.Module]] = set()
+    for module in model.modules():
+        if isinstance(module, nn.ModuleList) and len(module) > 1:
+            classes = {type(child) for child in module}
+            if len(classes) == 1:
+                repeated |= classes
+    return repeated
+
+
+def resolve_policy(policy: ModulePolicy | None, model: nn.Module) -> Callable[[str, nn.Module], bool]:
+    """Turn a class set, a callable or ``None`` (the default blocks) into a ``(name, module) -> bool`` predicate."""
+    if policy is None:
+        policy = default_block_classes(model)
+    if isinstance(policy, (set, frozenset, list, tuple)):
+        classes = tuple(policy)
+        return lambda _name, module: isinstance(module, classes)
+    if callable(policy):
+        return policy
+    raise TypeError(
+        f"A module policy must be a set of nn.Module classes or a callable (name, module) -> bool, got {policy!r}."
+    )
+
+
+def apply_activation_checkpointing(model: nn.Module, policy: ModulePolicy) -> list[str]:
+    """Recompute the selected modules' activations in backward instead of storing them; return their names.
+
+    Uses the composable ``checkpoint`` (hooks, no wrapper module), so parameter names stay clean. It must run
+    before ``fully_shard``: the recomputation then re-enters FSDP's own pre-forward hook, which all-gathers the
+    parameters again for the recomputed forward.
+    """
+    from torch.distributed._composable import checkpoint
+
+    select = resolve_policy(policy, model)
+    chosen = [(name, module) for name, module in model.named_modules() if name and select(name, module)]
+    for _, module in chosen:
+        checkpoint(module)
+    return [name for name, _ in chosen]
+
+
+def shard_model(
+    model: nn.Module,
+    mesh: DeviceMesh,
+    policy: ModulePolicy | None = None,
+    *,
+    mp_policy: MixedPrecisionPolicy | None = None,
+    offload_policy: OffloadPolicy | None = None,
+    reshard_after_forward: bool | int = True,
+) -> list[str]:
+    """Apply ``fully_shard`` to the selected modules bottom-up, then to ``model``; return the groups' names.
+
+    Two kinds of modules are never made groups of their own, whatever the policy says:
+
+    * modules *inside* a peft adapter layer (``base_layer``, ``lora_A``, ``lora_B``): the adapter and the weight
+      it adapts are used together in one forward, so they are gathered together with their block;
+    * modules whose parameters are shared with a module outside them (tied embeddings): a parameter can belong to
+      one group only, so it is left to the enclosing group (at worst the root) that holds every user of it.
+    """
+    select = resolve_policy(policy, model)
+    kwargs = {
+        "mesh": mesh,
+        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        "reshard_after_forward": reshard_after_forward,
+    }
+    if offload_policy is not None:
+        kwargs["offload_policy"] = offload_policy
+    inside_adapter = _names_inside_adapter_layers(model)
+    owners = _parameter_owners(model)
+    groups: list[str] = []
+    # Post-order: `reversed(named_modules())` visits children before their parents, so inner groups come first.
+    for name, module in reversed(list(model.named_modules())):
+        if not name or name in inside_adapter or not select(name, module):
+            continue
+        if not any(True for _ in module.parameters()) or _shares_parameters_outside(name, module, owners):
+            continue
+        fully_shard(module, **kwargs)
+        groups.append(name)
+    # The root keeps its parameters unsharded between forward and backward: FSDP2 knows backward follows at once.
+    fully_shard(model, **kwargs)
+    groups.append("")
+    return groups
+
+
+def _names_inside_adapter_layers(model: nn.Module) -> set[str]:
+    """Qualified names of the modules strictly below a peft tuner layer (e.g. ``...q_proj.lora_A.default``)."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:  # peft is a dependency, but the wrapping works without it
+        return set()
+    inside: set[str] = set()
+    for name, module in model.named_modules():
+        if isinstance(module, BaseTunerLayer):
+            inside.update(f"{name}.{sub}" for sub, _ in module.named_modules() if sub)
+    return inside
+
+
+def _parameter_owners(model: nn.Module) -> dict[int, set[str]]:
+    """Map each parameter (by identity) to the names of every module that holds it directly."""
+    owners: dict[int, set[str]] = {}
+    for name, module in model.named_modules(remove_duplicate=False):
+        for param in module.parameters(recurse=False):
+            owners.setdefault(id(param), set()).add(name)
+    return owners
+
+
+def _shares_parameters_outside(name: str, module: nn.Module, owners: dict[int, set[str]]) -> bool:
+    prefix = f"{name}."
+    return any(
+        owner != name and not owner.startswith(prefix)
+        for param in module.parameters()
+        for owner in owners[id(param)]
+    )
+
+
+def module_names(model: nn.Module, modules: Iterable[nn.Module]) -> list[str]:
+    """Qualified names of ``modules`` within ``model`` (for messages)."""
+    wanted = {id(m) for m in modules}
+    return [name for name, m in model.named_modules() if id(m) in wanted]

@@ -1,0 +1,148 @@
+"""Tiny models and LightningModules shared by the tests."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from torch import nn
+from torch.utils.data import DataLoader, Dataset, DistributedSampler
+
+VOCAB = 128
+SEQ = 16
+
+
+def tiny_llama_config(**overrides: Any):
+    """A two-layer Llama with hidden size 64."""
+    from transformers import LlamaConfig
+
+    kwargs: dict[str, Any] = dict(
+        vocab_size=VOCAB,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+        tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def build_llama(lora: bool = True, **config: Any) -> nn.Module:
+    """A tiny ``transformers`` Llama, with a peft LoRA on q/v projections when ``lora``."""
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(tiny_llama_config(**config))
+    if lora:
+        from peft import LoraConfig, get_peft_model
+
+        model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"]))
+    return model
+
+
+class TokenDataset(Dataset):
+    """Fixed random token sequences (same for every process given the seed)."""
+
+    def __init__(self, n: int = 32, seed: int = 0) -> None:
+        g = torch.Generator().manual_seed(seed)
+        self.data = torch.randint(0, VOCAB, (n, SEQ), generator=g)
+
+    def __len__(self) -> int:
+        return len(self.data)
+
+    def __getitem__(self, i: int) -> torch.Tensor:
+        return self.data[i]
+
+
+class LlamaModule(L.LightningModule):
+    """Causal-LM training of a tiny Llama (+LoRA) built in ``configure_model``.
+
+    ``start_state``: a full state dict loaded into the (possibly sharded) model at ``on_fit_start`` so that a
+    sharded run and a single-process reference start from the same weights.
+    """
+
+    def __init__(
+        self,
+        lora: bool = True,
+        start_state: dict[str, torch.Tensor] | None = None,
+        lr: float = 1e-2,
+        batch_size: int = 4,
+        n_samples: int = 32,
+        forwards_per_step: int = 1,
+        **config: Any,
+    ) -> None:
+        super().__init__()
+        self.lora, self.config_overrides = lora, config
+        self.start_state, self.lr, self.batch_size, self.n_samples = start_state, lr, batch_size, n_samples
+        self.forwards_per_step = forwards_per_step
+        self.model: nn.Module | None = None
+        self.seen_dtypes: list[torch.dtype] = []
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = build_llama(self.lora, **self.config_overrides)
+
+    def on_fit_start(self) -> None:
+        if self.start_state is not None:
+            load_full_state(self, self.start_state)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.seen_dtypes.append(self.dtype)
+        # Several forwards before one backward: each half of the batch separately.
+        chunks = batch.chunk(self.forwards_per_step)
+        loss = sum(self.model(input_ids=c, labels=c).loss for c in chunks) / len(chunks)
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("val_loss", self.model(input_ids=batch, labels=batch).loss, sync_dist=True)
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        params = [p for p in self.parameters() if p.requires_grad]
+        return torch.optim.AdamW(params, lr=self.lr, foreach=True)
+
+    def train_dataloader(self) -> DataLoader:
+        # In order, split across ranks like a DistributedSampler without shuffling: rank r takes samples r, r+N, ...
+        # so that the ranks' batches together are exactly the single-process reference's batch (needs
+        # `Trainer(use_distributed_sampler=False)`, since Lightning's own sampler shuffles).
+        dataset = TokenDataset(self.n_samples)
+        sampler = None
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            sampler = DistributedSampler(dataset, shuffle=False)
+        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler)
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TokenDataset(8, seed=1), batch_size=self.batch_size)
+
+
+def load_full_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
+    """Load a full (unsharded) state dict into a plain or FSDP2-sharded module."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+    # set_model_state_dict replaces the dict's values (with shards, or with the tensors it loads into): hand it a copy
+    # so the caller's dict stays the reference it was.
+    state = {k: v.detach().clone() for k, v in state.items()}
+    set_model_state_dict(module, state, options=StateDictOptions(full_state_dict=True))
+
+
+def full_state(module: nn.Module) -> dict[str, torch.Tensor]:
+    """The full state dict of a plain or sharded module on CPU, on every rank."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    sd = get_model_state_dict(module, options=StateDictOptions(full_state_dict=True))
+    return {k: v.detach().cpu().clone() for k, v in sd.items()}
+
+
+def quiet_trainer_kwargs() -> dict[str, Any]:
+    """Trainer arguments that keep test output and disk use down."""
+    return dict(
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        use_distributed_sampler=False,
+    )

@@ -1,0 +1,264 @@
+"""FSDP2Strategy end to end on CPU/gloo: sharding, precision, parity with a single-process Trainer."""
+
+from __future__ import annotations
+
+import copy
+
+import lightning as L
+import pytest
+import torch
+from lightning.pytorch.demos import Transformer
+from torch.distributed.tensor import DTensor
+from torch.utils.data import DataLoader
+
+from lightning_fsdp2 import FSDP2Strategy
+from tests.helpers import run_distributed
+from tests.models import VOCAB, LlamaModule, TokenDataset, build_llama, full_state, quiet_trainer_kwargs
+
+
+# --------------------------------------------------------------------------- the Lightning convert_module case
+class DemoTransformerModule(L.LightningModule):
+    """Lightning's demo Transformer, built in configure_model (optionally under the user's own meta context)."""
+
+    def __init__(self, user_meta: bool) -> None:
+        super().__init__()
+        self.user_meta = user_meta
+        self.model: Transformer | None = None
+        self.step_dtypes: list[str] = []
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        if self.user_meta:
+            with torch.device("meta"):
+                self.model = Transformer(vocab_size=VOCAB, ninp=64, nhead=2, nhid=64, nlayers=2, dropout=0.0)
+        else:
+            self.model = Transformer(vocab_size=VOCAB, ninp=64, nhead=2, nhid=64, nlayers=2, dropout=0.0)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.step_dtypes.append(str(self.dtype))
+        inputs, target = batch[:, :-1], batch[:, 1:]
+        loss = torch.nn.functional.nll_loss(self.model(inputs, target), target.reshape(-1))
+        self.losses.append(float(loss.detach()))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TokenDataset(16), batch_size=4)
+
+
+def _fit_demo_transformer(user_meta: bool) -> dict:
+    module = DemoTransformerModule(user_meta)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy="fsdp2", precision="bf16-true", max_steps=2, **quiet_trainer_kwargs()
+    )
+    trainer.fit(module)
+    params = list(module.parameters())
+    return {
+        "step_dtypes": module.step_dtypes,
+        "module_dtype": str(module.dtype),
+        "param_dtypes": sorted({str(p.dtype) for p in params}),
+        "all_dtensor": all(isinstance(p, DTensor) for p in params),
+        "local_numel": sum(p.to_local().numel() for p in params),
+        "global_numel": sum(p.numel() for p in params),
+        "losses": module.losses,
+    }
+
+
+@pytest.mark.parametrize("user_meta", [False, True], ids=["strategy-meta", "user-meta"])
+def test_bf16_true_demo_transformer_is_converted_and_sharded(user_meta: bool) -> None:
+    """Lightning's convert_module case: self.dtype is bf16 in training_step on every rank, params are bf16 shards."""
+    results = run_distributed(_fit_demo_transformer, 2, user_meta)
+    for rank in results:
+        assert rank["step_dtypes"] == ["torch.bfloat16"] * 2
+        assert rank["module_dtype"] == "torch.bfloat16"
+        assert rank["param_dtypes"] == ["torch.bfloat16"]
+        assert rank["all_dtensor"]
+        # Each rank holds about half the elements (uneven dims pad by at most one row per parameter).
+        assert abs(rank["local_numel"] - rank["global_numel"] / 2) < 0.02 * rank["global_numel"]
+        assert all(torch.isfinite(torch.tensor(rank["losses"])))
+    assert sum(r["local_numel"] for r in results) == results[0]["global_numel"]
+
+
+# --------------------------------------------------------------------------- parity with a single process
+def _trainer_kwargs(**extra) -> dict:
+    kwargs = dict(max_steps=3, limit_val_batches=0, num_sanity_val_steps=0, **quiet_trainer_kwargs())
+    kwargs.update(extra)
+    return kwargs
+
+
+def _fit_sharded(start_state: dict, module_kwargs: dict, trainer_kwargs: dict, strategy_kwargs: dict) -> dict:
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    module = LlamaModule(start_state=start_state, **module_kwargs)
+    strategy = FSDP2Strategy(**strategy_kwargs)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, **_trainer_kwargs(**trainer_kwargs))
+    trainer.fit(module)
+    return {"state": full_state(module), "losses": module.losses}
+
+
+def _fit_reference(start_state: dict, module_kwargs: dict, trainer_kwargs: dict, world: int) -> dict:
+    kwargs = dict(module_kwargs)
+    kwargs["batch_size"] = kwargs.get("batch_size", 4) * world  # one process sees the global batch
+    module = LlamaModule(start_state=start_state, **kwargs)
+    module.configure_model()
+    trainer = L.Trainer(accelerator="cpu", devices=1, **_trainer_kwargs(**trainer_kwargs))
+    trainer.fit(module)
+    return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "losses": module.losses}
+
+
+def _start_state(**module_kwargs) -> dict:
+    torch.manual_seed(1234)
+    model = LlamaModule(**module_kwargs)
+    model.configure_model()
+    state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    # peft starts lora_B at zero; make it non-zero so the LoRA path really contributes to the gradients.
+    for k in state:
+        if "lora_B" in k:
+            state[k] = torch.randn_like(state[k]) * 0.02
+    return state
+
+
+def _assert_same_weights(sharded: dict, reference: dict) -> None:
+    assert sharded.keys() == reference.keys()
+    worst = max((sharded[k].float() - reference[k].float()).abs().max().item() for k in reference)
+    assert worst <= 1e-4, f"max abs diff {worst}"
+
+
+PARITY_CASES = {
+    "plain": ({}, {}, {}),
+    "accumulate": ({}, {"accumulate_grad_batches": 2}, {}),
+    "clip-norm": ({"lr": 5e-2}, {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}, {}),
+    "two-forwards": ({"forwards_per_step": 2}, {}, {}),
+    "activation-checkpointing": ({}, {}, {"activation_checkpointing_policy": "blocks"}),
+    "no-reshard": ({}, {}, {"reshard_after_forward": False}),
+}
+
+
+@pytest.mark.parametrize("case", list(PARITY_CASES))
+def test_parity_with_single_process_at_world_size_2(case: str) -> None:
+    """Same start, same global batches: FSDP2 at world size 2 ends with the single-process weights (<= 1e-4)."""
+    module_kwargs, trainer_kwargs, strategy_kwargs = copy.deepcopy(PARITY_CASES[case])
+    if strategy_kwargs.get("activation_checkpointing_policy") == "blocks":
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        strategy_kwargs["activation_checkpointing_policy"] = {LlamaDecoderLayer}
+    start = _start_state()
+    reference = _fit_reference(start, module_kwargs, trainer_kwargs, world=2)
+    results = run_distributed(_fit_sharded, 2, start, module_kwargs, trainer_kwargs, strategy_kwargs)
+    for rank in results:
+        _assert_same_weights(rank["state"], reference["state"])
+    # the weights really moved
+    moved = max((reference["state"][k] - start[k]).abs().max().item() for k in start)
+    assert moved > 1e-3
+
+
+@pytest.mark.parametrize("world", [1, 4])
+def test_parity_at_world_size_1_and_4(world: int) -> None:
+    """The same holds with one process (a degenerate mesh) and with four."""
+    module_kwargs = {"batch_size": 2}
+    start = _start_state()
+    reference = _fit_reference(start, module_kwargs, {}, world=world)
+    results = run_distributed(_fit_sharded, world, start, module_kwargs, {}, {})
+    _assert_same_weights(results[0]["state"], reference["state"])
+
+
+def test_full_model_training_with_tied_embeddings() -> None:
+    """Without LoRA and with tie_word_embeddings=True every parameter trains, ties survive, parity holds."""
+    module_kwargs = {"lora": False, "tie_word_embeddings": True}
+    start = _start_state(**module_kwargs)
+    reference = _fit_reference(start, module_kwargs, {}, world=2)
+    results = run_distributed(_fit_sharded, 2, start, module_kwargs, {}, {})
+    _assert_same_weights(results[0]["state"], reference["state"])
+
+
+# --------------------------------------------------------------------------- gradient sync is really skipped
+def _count_reduce_scatters(accumulate: int) -> dict:
+    import torch.distributed as dist
+
+    name = "reduce_scatter_single" if hasattr(dist, "reduce_scatter_single") else "reduce_scatter_tensor"
+    original = getattr(dist, name)
+    calls = []
+
+    def counting(*args, **kwargs):
+        calls.append(1)
+        return original(*args, **kwargs)
+
+    setattr(dist, name, counting)
+    module = LlamaModule()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=FSDP2Strategy(), accumulate_grad_batches=accumulate, **_trainer_kwargs()
+    )
+    trainer.fit(module)
+    return {"calls": len(calls), "micro_batches": len(module.losses)}
+
+
+def test_accumulation_skips_reduce_scatter_on_non_final_micro_batches() -> None:
+    once = run_distributed(_count_reduce_scatters, 2, 1)[0]
+    twice = run_distributed(_count_reduce_scatters, 2, 2)[0]
+    assert twice["micro_batches"] == 2 * once["micro_batches"]
+    # Same number of optimizer steps, so the same number of reduce-scatters despite twice the backward passes.
+    assert twice["calls"] == once["calls"] > 0
+
+
+# --------------------------------------------------------------------------- mixed precision
+def _fit_bf16_mixed(user_policy: bool) -> dict:
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    seen: dict = {}
+
+    class Probe(LlamaModule):
+        def training_step(self, batch, batch_idx):
+            out = self.model(input_ids=batch, labels=batch)
+            seen["logits"] = str(out.logits.dtype)
+            return out.loss
+
+    module = Probe()
+    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32) if user_policy else None
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=FSDP2Strategy(mixed_precision=policy),
+        precision="bf16-mixed",
+        **_trainer_kwargs(max_steps=2),
+    )
+    trainer.fit(module)
+    grads = [p.grad for p in module.parameters() if p.grad is not None]
+    return {
+        "logits": seen["logits"],
+        "params": sorted({str(p.dtype) for p in module.parameters()}),
+        "grads": sorted({str(g.dtype) for g in grads}),
+        "finite": all(bool(torch.isfinite(g.to_local()).all()) for g in grads),
+    }
+
+
+@pytest.mark.parametrize("user_policy", [False, True], ids=["from-precision", "user-policy"])
+def test_bf16_mixed_keeps_fp32_master_weights_and_computes_low(user_policy: bool) -> None:
+    rank = run_distributed(_fit_bf16_mixed, 2, user_policy)[0]
+    assert rank["params"] == ["torch.float32"]
+    assert rank["grads"] == ["torch.float32"]
+    assert rank["logits"] == ("torch.float16" if user_policy else "torch.bfloat16")
+    assert rank["finite"]
+
+
+def _fit_16_mixed() -> dict:
+    from lightning_fsdp2 import FSDP2Precision
+
+    module = LlamaModule()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=FSDP2Strategy(), plugins=FSDP2Precision("16-mixed"), **_trainer_kwargs()
+    )
+    start = None
+    trainer.fit(module)
+    scaler = trainer.strategy.precision_plugin.scaler
+    return {"losses": module.losses, "scale": float(scaler.get_scale()), "state": full_state(module)}
+
+
+def test_16_mixed_uses_a_sharded_grad_scaler() -> None:
+    results = run_distributed(_fit_16_mixed, 2)
+    assert all(torch.isfinite(torch.tensor(results[0]["losses"])))
+    assert results[0]["scale"] == results[1]["scale"] > 0
+    for key, value in results[0]["state"].items():
+        assert torch.equal(value, results[1]["state"][key])
