@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test demo bench clean
+.PHONY: test demo clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)

@@ -61,10 +61,44 @@ def meta_init_context() -> Generator[None, None, None]:
             module._parameters[name] = new
 
     nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
+    refused = _refuse_loading_on_meta()
     try:
         yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
+        for cls, method in refused:
+            setattr(cls, "from_pretrained", method)
+
+
+def _refuse_loading_on_meta() -> list[tuple[type, Any]]:
+    """Make ``from_pretrained`` raise while parameters go to ``meta``: the weights it loads would land on meta
+    tensors and be lost, and the model would then be initialized at random without a word."""
+    classes: list[type] = []
+    try:
+        from transformers import PreTrainedModel
+
+        classes.append(PreTrainedModel)
+    except ImportError:
+        pass
+    try:
+        from peft import PeftModel
+
+        classes.append(PeftModel)
+    except ImportError:
+        pass
+
+    def refuse(cls: type, *args: Any, **kwargs: Any) -> None:
+        raise RuntimeError(
+            f"{cls.__name__}.from_pretrained was called in `configure_model` while FSDP2Strategy builds parameters on"
+            " the meta device: the loaded weights would be dropped. Build the model with `from_config(...)` (and"
+            " peft's `get_peft_model`) and load the weights after sharding, or pass FSDP2Strategy(meta_init=False)"
+            " to build and load the whole model on the CPU first."
+        )
+
+    saved = [(cls, cls.__dict__["from_pretrained"]) for cls in classes if "from_pretrained" in cls.__dict__]
+    for cls, _ in saved:
+        setattr(cls, "from_pretrained", classmethod(refuse))
+    return saved
 
 
 def named_tensors(module: nn.Module) -> Iterator[tuple[str, Tensor]]:
@@ -78,22 +112,27 @@ def meta_tensor_names(module: nn.Module) -> list[str]:
     return [name for name, tensor in named_tensors(module) if tensor.is_meta]
 
 
-def materialize_module(module: nn.Module, device: torch.device) -> list[str]:
+def materialize_module(
+    module: nn.Module, device: torch.device, buffer_device: torch.device | None = None
+) -> list[str]:
     """Allocate real storage on ``device`` for every meta tensor of ``module``; return their names.
 
     On a sharded model this allocates only the local shard of each parameter. New storage is filled with NaN
     (integers with their maximum) so that :func:`check_initialized` can tell what no rule wrote. Tensors that are
     already real (buffers built eagerly, parameters of a module built outside ``meta``) keep their values and are
-    only moved to ``device``.
+    only moved. Buffers go to ``buffer_device`` (default ``device``): with CPU offload the sharded parameters live in
+    CPU memory, but buffers are used as they are by the forward on the accelerator.
     """
     materialized = meta_tensor_names(module)
     if not materialized:
         return []
+    buffer_ids = {id(b) for b in module.buffers()}
 
     def allocate(tensor: Tensor) -> Tensor:
+        target = (buffer_device or device) if id(tensor) in buffer_ids else device
         if not tensor.is_meta:
-            return tensor.to(device)
-        out = torch.empty_like(tensor, device=device)
+            return tensor.to(target)
+        out = torch.empty_like(tensor, device=target)
         return out.fill_(_sentinel(out.dtype)) if out.dtype != torch.bool else out.zero_()
 
     # `_apply` is what `Module.to_empty` uses; FSDP2 hooks it to re-register the new local shards. Unlike
@@ -191,7 +230,7 @@ def peft_lora_rule(module: nn.Module, materialized: set[str]) -> None:
             continue
         for adapter in list(sub.lora_A.keys()) + list(sub.lora_embedding_A.keys()):
             init = getattr(configs.get(adapter), "init_lora_weights", True)
-            if init not in (True, False, "gaussian"):
+            if not (isinstance(init, bool) or (isinstance(init, str) and init.lower() == "gaussian")):
                 raise ValueError(
                     f"LoRA adapter {adapter!r} at {name!r} uses init_lora_weights={init!r}, which derives adapters"
                     " from the base weights; that cannot run on a meta-built sharded model. Use"
@@ -258,9 +297,9 @@ def check_initialized(module: nn.Module, names: list[str], device: torch.device)
         shown = ", ".join(repr(n) for n in missing[:20]) + (f" and {len(missing) - 20} more" if len(missing) > 20 else "")
         raise UninitializedError(
             f"{len(missing)} tensor(s) built on the meta device were given no values by any init rule: {shown}. "
-            "Give their module a `reset_parameters()` method, load them from a checkpoint with "
-            "`lightning_fsdp2.load_pretrained`, or build them outside `torch.device('meta')` "
-            "(FSDP2Strategy already keeps buffers real unless you wrap configure_model in torch.device('meta'))."
+            "Give their module a `reset_parameters()` method, or build them outside `torch.device('meta')` "
+            "(FSDP2Strategy already keeps buffers real unless you wrap configure_model in torch.device('meta')), "
+            "or pass FSDP2Strategy(meta_init=False) to build the whole model for real."
         )
 
 

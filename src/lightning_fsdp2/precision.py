@@ -65,7 +65,8 @@ class FSDP2Precision(Precision):
             # fp16 gradients overflow; the sharded scaler all-reduces its inf check so every rank skips together.
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 
-            scaler = ShardedGradScaler()
+            # Its default device is "cuda", and without CUDA it silently disables itself: name the device.
+            scaler = ShardedGradScaler(device="cuda" if torch.cuda.is_available() else "cpu")
         self.scaler = scaler
 
     @property
@@ -169,9 +170,9 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
     """Clip gradients of (possibly sharded) parameters by their global norm; return that norm.
 
     With FSDP2 each rank holds a shard of every gradient (a ``DTensor``). The norm that decides the clipping factor
-    must be the norm over all shards, or ranks would scale their pieces of one gradient differently. Reducing the
-    per-tensor norms to a plain tensor (``full_tensor()`` all-reduces the partial norms) makes that explicit, and
-    works whatever mix of sharded and replicated tensors the optimizer holds.
+    must be the norm over all shards, or ranks would scale their pieces of one gradient differently. The norm of
+    sharded gradients is a partial ``DTensor``; ``full_tensor()`` all-reduces it into the global norm. All gradients
+    must be of one kind (all sharded on one mesh, or all plain), as they are under FSDP2Strategy.
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:

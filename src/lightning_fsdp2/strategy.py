@@ -32,6 +32,7 @@ from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
+from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -81,7 +82,8 @@ class FSDP2Strategy(ParallelStrategy):
         process_group_backend: ``"gloo"``, ``"nccl"``...; default from the device (gloo on CPU, nccl on CUDA).
         timeout: timeout of collective operations.
         start_method: how Lightning starts the processes: ``"popen"`` re-runs the script (default, as ``DDPStrategy``),
-            or ``"spawn"``/``"fork"``/``"forkserver"`` through ``torch.multiprocessing``.
+            or ``"spawn"``/``"fork"``/``"forkserver"`` through ``torch.multiprocessing``. With the latter the trained
+            weights stay in the worker processes (they are sharded); save a checkpoint to keep them.
     """
 
     strategy_name = "fsdp2"
@@ -131,8 +133,9 @@ class FSDP2Strategy(ParallelStrategy):
     @property
     def precision_plugin(self) -> FSDP2Precision:
         """The :class:`FSDP2Precision` in use (Lightning's stock plugins are converted on assignment)."""
-        plugin = self._precision_plugin
-        return plugin if isinstance(plugin, FSDP2Precision) else FSDP2Precision()
+        if not isinstance(self._precision_plugin, FSDP2Precision):
+            self._precision_plugin = FSDP2Precision()
+        return self._precision_plugin
 
     @precision_plugin.setter
     def precision_plugin(self, plugin: Precision | None) -> None:
@@ -176,10 +179,6 @@ class FSDP2Strategy(ParallelStrategy):
         """Checkpoints are loaded into the sharded model, so after ``setup``."""
         return True
 
-    @property
-    def lightning_restore_optimizer(self) -> bool:
-        """Optimizer state is restored by :meth:`load_optimizer_state_dict` below, not by Lightning."""
-        return False
 
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
@@ -187,7 +186,7 @@ class FSDP2Strategy(ParallelStrategy):
             if not self.cluster_environment.creates_processes_externally:
                 self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=self._start_method)
+            self._launcher = _ShardedMultiProcessingLauncher(self, start_method=self._start_method)
 
     def setup_environment(self) -> None:
         """Start the process group and build the device mesh."""
@@ -241,7 +240,8 @@ class FSDP2Strategy(ParallelStrategy):
 
     def parallelize(self, module: pl.LightningModule) -> pl.LightningModule:
         """Convert, checkpoint, shard, materialize and initialize ``module`` in place; a no-op if already done."""
-        if isinstance(module, FSDPModule):
+        # Lightning runs `configure_model` and `setup` again for every Trainer call (fit, then validate...).
+        if getattr(module, "_fsdp2_parallelized", False):
             _check_not_rebuilt(module)
             return module
         _check_no_fsdp1(module)
@@ -259,48 +259,53 @@ class FSDP2Strategy(ParallelStrategy):
         )
         # Offloaded shards live in CPU memory; FSDP2 copies them to the device when it gathers them.
         storage = torch.device("cpu") if self._offload_policy is not None else self.root_device
-        materialized = materialize_module(module, storage)
+        materialized = materialize_module(module, storage, buffer_device=self.root_device)
         initialize_module(module, materialized)
         check_initialized(module, materialized, self.root_device)
+        module._fsdp2_parallelized = True
         return module
 
     def model_to_device(self) -> None:
         """Nothing to do: ``fully_shard`` and materialization placed every shard on its device."""
 
-    # ---------------------------------------------------------------- steps: through the root's __call__
-    # Lightning calls `training_step`, not `forward`, but FSDP2's root hooks (gather the root group, cast inputs,
-    # arm the backward hooks) fire on `Module.__call__`. The redirection routes each step through `__call__`.
+    # ---------------------------------------------------------------- steps
+    # Usually the roots are the LightningModule's children (`self.model`), whose FSDP hooks fire when user code
+    # calls them. Only when the LightningModule itself is the root (it holds parameters directly) must each step go
+    # through its `__call__`, since Lightning calls `training_step`, not `forward`: the redirection does that.
+    def _step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
+        module = self.lightning_module
+        with context:
+            if isinstance(module, FSDPModule):
+                return self._forward_redirection(module, module, name, *args, **kwargs)
+            return getattr(module, name)(*args, **kwargs)
+
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run ``training_step`` through the root module's FSDP hooks."""
-        with self.precision_plugin.train_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "training_step", *args, **kwargs)
+        """Run the module's ``training_step``."""
+        return self._step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run ``validation_step`` through the root module's FSDP hooks."""
-        with self.precision_plugin.val_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "validation_step", *args, **kwargs)
+        """Run the module's ``validation_step``."""
+        return self._step("validation_step", self.precision_plugin.val_step_context(), *args, **kwargs)
 
     def test_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run ``test_step`` through the root module's FSDP hooks."""
-        with self.precision_plugin.test_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "test_step", *args, **kwargs)
+        """Run the module's ``test_step``."""
+        return self._step("test_step", self.precision_plugin.test_step_context(), *args, **kwargs)
 
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run ``predict_step`` through the root module's FSDP hooks."""
-        with self.precision_plugin.predict_step_context():
-            return self._forward_redirection(self.model, self.lightning_module, "predict_step", *args, **kwargs)
+        """Run the module's ``predict_step``."""
+        return self._step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
 
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Skip the gradient reduce-scatter on micro-batches that only accumulate (``accumulate_grad_batches``)."""
-        if not isinstance(self.model, FSDPModule):
-            yield
-            return
-        self.model.set_requires_gradient_sync(False)
+        groups = [m for m in self.lightning_module.modules() if isinstance(m, FSDPModule)]
+        for group in groups:
+            group.set_requires_gradient_sync(False, recurse=False)
         try:
             yield
         finally:
-            self.model.set_requires_gradient_sync(True)
+            for group in groups:
+                group.set_requires_gradient_sync(True, recurse=False)
 
     # ---------------------------------------------------------------- collectives
     def barrier(self, name: str | None = None) -> None:
@@ -329,10 +334,11 @@ class FSDP2Strategy(ParallelStrategy):
         return tensor
 
     def teardown(self) -> None:
-        """Release the cluster environment, precision plugin and accelerator."""
+        """Release the cluster environment, checkpoint IO, precision plugin and accelerator."""
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
+        self.checkpoint_io.teardown()
         self.precision_plugin.teardown()
         self.accelerator.teardown()
 
@@ -378,6 +384,23 @@ class FSDP2Strategy(ParallelStrategy):
         """Register as ``"fsdp2"`` in Lightning's ``StrategyRegistry``."""
         if "fsdp2" not in strategy_registry:
             strategy_registry.register("fsdp2", cls, description="FSDP2 (fully_shard) from lightning-fsdp2")
+
+
+class _ShardedMultiProcessingLauncher(_MultiProcessingLauncher):
+    """Lightning's spawn/fork launcher, minus sending rank 0's weights back to the main process.
+
+    Lightning's launcher ships rank 0's ``state_dict()`` to the main process and loads it there. Under FSDP2 rank 0
+    holds only its shards, and the main process never ran ``configure_model``, so there is nothing correct to load.
+    The main process still receives the trainer state, the results and the best checkpoint path; the trained weights
+    are where checkpoints put them.
+    """
+
+    def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
+        if self._strategy.local_rank != 0:
+            return None
+        callback = trainer.checkpoint_callback
+        best_model_path = getattr(callback, "best_model_path", None) if callback else None
+        return _WorkerOutput(best_model_path, None, trainer.state, results, self.get_extra_results(trainer))
 
 
 def _as_fsdp2_precision(plugin: Precision | None) -> FSDP2Precision | None:

@@ -14,7 +14,7 @@ from typing import Union
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
 
 ModulePolicy = Union[set[type[nn.Module]], Callable[[str, nn.Module], bool]]
 """A set of module classes, or a callable ``(qualified_name, module) -> bool`` that selects modules."""
@@ -85,7 +85,13 @@ def shard_model(
     offload_policy: OffloadPolicy | None = None,
     reshard_after_forward: bool | int = True,
 ) -> list[str]:
-    """Apply ``fully_shard`` to the selected modules bottom-up, then to ``model``; return the groups' names.
+    """Apply ``fully_shard`` to the selected modules bottom-up, then to the roots; return the groups' names.
+
+    The roots are the children of ``model`` (the ``LightningModule``) that hold parameters, such as ``self.model``:
+    FSDP2 gathers a root's remaining parameters (embeddings, final norm, head) when the root is *called*, so with
+    ``self.model`` as a root, ``self.model(...)`` and ``self.model.generate(...)`` work anywhere, in ``*_step`` or in
+    a callback. Only when ``model`` holds parameters itself, or its children share parameters with each other, is
+    ``model`` the single root; its steps must then run through its ``__call__`` (the strategy sees to that).
 
     Two kinds of modules are never made groups of their own, whatever the policy says:
 
@@ -113,10 +119,30 @@ def shard_model(
             continue
         fully_shard(module, **kwargs)
         groups.append(name)
-    # The root keeps its parameters unsharded between forward and backward: FSDP2 knows backward follows at once.
-    fully_shard(model, **kwargs)
-    groups.append("")
+    # For a root, `None` lets FSDP2 keep its parameters gathered from forward to backward (which follows at once,
+    # so resharding would only buy an extra all-gather); an explicit `False` or int from the user is passed on.
+    if reshard_after_forward is True:
+        kwargs["reshard_after_forward"] = None
+    for name in root_names(model):  # owners afresh: sharding replaced the grouped parameters
+        root = model.get_submodule(name)
+        if not isinstance(root, FSDPModule):  # a child the policy selected is a group, and a root, already
+            fully_shard(root, **kwargs)
+            groups.append(name)
     return groups
+
+
+def root_names(model: nn.Module, owners: dict[int, set[str]] | None = None) -> list[str]:
+    """The modules to shard last: ``model``'s children with parameters, or ``[""]`` (``model`` itself) when
+    ``model`` has parameters of its own or its children share parameters."""
+    owners = _parameter_owners(model) if owners is None else owners
+    children = [(n, c) for n, c in model.named_children() if any(True for _ in c.parameters())]
+    if (
+        not children
+        or any(True for _ in model.parameters(recurse=False))
+        or any(_shares_parameters_outside(n, c, owners) for n, c in children)
+    ):
+        return [""]
+    return [n for n, _ in children]
 
 
 def _names_inside_adapter_layers(model: nn.Module) -> set[str]:
@@ -146,11 +172,5 @@ def _shares_parameters_outside(name: str, module: nn.Module, owners: dict[int, s
     return any(
         owner != name and not owner.startswith(prefix)
         for param in module.parameters()
-        for owner in owners[id(param)]
+        for owner in owners.get(id(param), ())  # parameters already in an inner group were replaced: skip them
     )
-
-
-def module_names(model: nn.Module, modules: Iterable[nn.Module]) -> list[str]:
-    """Qualified names of ``modules`` within ``model`` (for messages)."""
-    wanted = {id(m) for m in modules}
-    return [name for name, m in model.named_modules() if id(m) in wanted]

@@ -1,0 +1,146 @@
+"""Meta construction, materialization, initialization and the check for tensors left without values."""
+
+from __future__ import annotations
+
+import lightning as L
+import pytest
+import torch
+from torch import nn
+
+from lightning_fsdp2 import FSDP2Strategy
+from lightning_fsdp2.init import meta_init_context
+from tests.helpers import run_distributed
+from tests.models import LlamaModule, build_llama, full_state, quiet_trainer_kwargs
+
+
+def test_meta_init_context_sends_parameters_to_meta_and_keeps_buffers_real() -> None:
+    with meta_init_context():
+        model = build_llama(lora=True)
+    assert all(p.is_meta for p in model.parameters())
+    eager = build_llama(lora=True)
+    buffers = dict(model.named_buffers())
+    assert buffers, "a Llama has rotary buffers"
+    for name, buffer in eager.named_buffers():
+        assert not buffers[name].is_meta
+        torch.testing.assert_close(buffers[name], buffer, rtol=0, atol=0)
+    # requires_grad survives the move: peft froze the base, the adapters train.
+    assert [n for n, p in model.named_parameters() if p.requires_grad] == [
+        n for n, p in eager.named_parameters() if p.requires_grad
+    ]
+    # and the patch is gone afterwards
+    assert not nn.Linear(2, 2).weight.is_meta
+
+
+class BufferProbe(LlamaModule):
+    """Records buffers and parameter statistics after the strategy built and initialized the model."""
+
+    def __init__(self, user_meta: bool, **kwargs) -> None:
+        super().__init__(**kwargs)
+        self.user_meta = user_meta
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            if self.user_meta:
+                with torch.device("meta"):
+                    super().configure_model()
+            else:
+                super().configure_model()
+
+
+def _build_and_report(user_meta: bool) -> dict:
+    module = BufferProbe(user_meta)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), max_steps=1, **quiet_trainer_kwargs())
+    trainer.validate(module, dataloaders=module.val_dataloader(), verbose=False)
+    state = full_state(module)
+    return {
+        "buffers": {k: v.cpu().clone() for k, v in module.named_buffers()},
+        "state": state,
+    }
+
+
+@pytest.mark.parametrize("user_meta", [False, True], ids=["strategy-meta", "user-meta"])
+def test_meta_built_llama_buffers_equal_an_eager_build(user_meta: bool) -> None:
+    """RoPE inv_freq (non-persistent, in no checkpoint) comes out exactly as an eager build computes it."""
+    results = run_distributed(_build_and_report, 2, user_meta)
+    eager = LlamaModule()
+    eager.configure_model()
+    expected = dict(eager.named_buffers())
+    assert any("inv_freq" in k for k in expected)
+    for rank in results:
+        assert rank["buffers"].keys() == expected.keys()
+        for name, value in expected.items():
+            torch.testing.assert_close(rank["buffers"][name], value, rtol=0, atol=0)
+
+
+def test_initialization_follows_hf_and_peft_rules() -> None:
+    """Base weights get Hugging Face's init, LoRA B is zero, A is kaiming; shards of one weight are not copies."""
+    state = run_distributed(_build_and_report, 2, False)[0]["state"]
+    eager = LlamaModule()
+    eager.configure_model()
+    reference = eager.state_dict()
+    assert state.keys() == reference.keys()
+    for name, value in state.items():
+        assert torch.isfinite(value).all(), name
+        if "lora_B" in name:
+            assert torch.count_nonzero(value) == 0, name
+        elif "norm" in name:
+            assert torch.equal(value, torch.ones_like(value)), name
+        elif value.dim() == 2:
+            # same distribution as the eager build (std 0.02 for HF's normal_, kaiming-uniform for lora_A)
+            assert value.std().item() == pytest.approx(reference[name].std().item(), rel=0.25), name
+    weight = state["model.base_model.model.model.layers.0.mlp.gate_proj.weight"]
+    top, bottom = weight.chunk(2)
+    assert not torch.equal(top, bottom), "the two ranks drew the same random numbers for their shards"
+
+
+class Scaler(nn.Module):
+    """A module with a parameter that nothing initializes: no reset_parameters, not a known class."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+class UninitializedModule(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net: nn.Module | None = None
+
+    def configure_model(self) -> None:
+        self.net = nn.Sequential(nn.Linear(8, 8), Scaler(8), nn.Linear(8, 2))
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.net(batch)
+
+
+def _build_uninitialized() -> str:
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), **quiet_trainer_kwargs())
+    try:
+        trainer.validate(UninitializedModule(), dataloaders=[torch.zeros(1, 8)], verbose=False)
+    except Exception as err:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+def test_uninitialized_parameter_is_reported_by_name_on_every_rank() -> None:
+    messages = run_distributed(_build_uninitialized, 2)
+    for message in messages:
+        assert message.startswith("UninitializedError")
+        assert "'net.1.gain'" in message
+        assert "net.0.weight" not in message and "net.2.bias" not in message
+        assert "reset_parameters" in message
+
+
+def test_from_pretrained_under_meta_init_is_refused_not_silently_dropped(tmp_path) -> None:
+    from transformers import LlamaForCausalLM
+
+    from tests.models import tiny_llama_config
+
+    LlamaForCausalLM(tiny_llama_config()).save_pretrained(tmp_path)
+    with meta_init_context(), pytest.raises(RuntimeError, match="from_pretrained was called in `configure_model`"):
+        LlamaForCausalLM.from_pretrained(tmp_path)
+    # outside the context it loads as usual
+    assert not any(p.is_meta for p in LlamaForCausalLM.from_pretrained(tmp_path).parameters())
