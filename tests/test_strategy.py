@@ -134,6 +134,7 @@ PARITY_CASES = {
     "two-forwards": ({"forwards_per_step": 2}, {}, {}),
     "activation-checkpointing": ({}, {}, {"activation_checkpointing_policy": "blocks"}),
     "no-reshard": ({}, {}, {"reshard_after_forward": False}),
+    "no-meta-init": ({}, {}, {"meta_init": False}),
 }
 
 
@@ -346,3 +347,38 @@ def test_save_and_resume_continues_exactly(tmp_path) -> None:
     resumed = run_distributed(_fit_epochs, 2, 2, None, path)[0]
     assert resumed["step"] == straight["step"] == 2 * first["step"]
     _assert_same_weights(resumed["state"], straight["state"])
+
+
+# --------------------------------------------------------------------------- validate, test and predict
+class EvalModule(LlamaModule):
+    def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.log("test_loss", self.model(input_ids=batch, labels=batch).loss, sync_dist=True)
+
+    def predict_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch).logits.argmax(-1)
+
+
+def _evaluate() -> dict:
+    module = EvalModule()
+    kwargs = _trainer_kwargs(max_steps=2, limit_val_batches=None)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), **kwargs)
+    trainer.fit(module)
+    loader = module.val_dataloader()
+    val = trainer.validate(module, dataloaders=loader, verbose=False)[0]["val_loss"]
+    test = trainer.test(module, dataloaders=loader, verbose=False)[0]["test_loss"]
+    predictions = trainer.predict(module, dataloaders=loader)
+    return {"val": val, "test": test, "predictions": torch.cat(predictions), "state": full_state(module)}
+
+
+def test_validate_test_and_predict_after_fit() -> None:
+    """The sharded model serves every Trainer entry point, and agrees with the same weights in one process."""
+    results = run_distributed(_evaluate, 2)
+    assert results[0]["val"] == pytest.approx(results[0]["test"], abs=1e-6)
+    reference = LlamaModule()
+    reference.configure_model()
+    reference.load_state_dict(results[0]["state"])
+    batches = torch.cat(list(reference.val_dataloader()))
+    with torch.no_grad():
+        expected_loss = reference.model(input_ids=batches, labels=batches).loss.item()
+    assert results[0]["val"] == pytest.approx(expected_loss, abs=1e-5)
+    assert results[0]["predictions"].shape[-1] == batches.shape[-1]
