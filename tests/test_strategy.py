@@ -322,7 +322,7 @@ def test_clear_errors(case: str, expected: str) -> None:
 
 # --------------------------------------------------------------------------- full checkpoint: save and resume
 def _fit_epochs(epochs: int, save_to: str | None, resume_from: str | None) -> dict:
-    module = LlamaModule(start_state=None if resume_from else _start_state_fixed())
+    module = LlamaModule(start_state=None if resume_from else _start_state())
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=FSDP2Strategy(), **_trainer_kwargs(max_steps=-1, max_epochs=epochs)
     )
@@ -330,10 +330,6 @@ def _fit_epochs(epochs: int, save_to: str | None, resume_from: str | None) -> di
     if save_to:
         trainer.save_checkpoint(save_to)
     return {"state": full_state(module), "step": trainer.global_step}
-
-
-def _start_state_fixed() -> dict:
-    return _start_state()
 
 
 def test_save_and_resume_continues_exactly(tmp_path) -> None:

@@ -179,7 +179,6 @@ class FSDP2Strategy(ParallelStrategy):
         """Checkpoints are loaded into the sharded model, so after ``setup``."""
         return True
 
-
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if self._start_method == "popen":

@@ -3,7 +3,8 @@
 Each ``fully_shard(module)`` call makes one *group*: the parameters of ``module`` not already claimed by an inner
 group are all-gathered together before its forward and freed after. Groups must therefore be created inner-first
 (post-order): ``fully_shard`` on a block claims everything below it, so a later call on an inner module would find its
-parameters taken. The root is sharded last and picks up the stragglers (embeddings, final norm, head).
+parameters taken. The roots (see :func:`root_names`) are sharded last and pick up the stragglers (embeddings, final
+norm, head).
 """
 
 from __future__ import annotations
@@ -122,7 +123,7 @@ def shard_model(
     # so resharding would only buy an extra all-gather); an explicit `False` or int from the user is passed on.
     if reshard_after_forward is True:
         kwargs["reshard_after_forward"] = None
-    for name in root_names(model):  # owners afresh: sharding replaced the grouped parameters
+    for name in root_names(model):  # looks at the owners afresh: sharding replaced the grouped parameters
         root = model.get_submodule(name)
         if not isinstance(root, FSDPModule):  # a child the policy selected is a group, and a root, already
             fully_shard(root, **kwargs)
@@ -130,10 +131,10 @@ def shard_model(
     return groups
 
 
-def root_names(model: nn.Module, owners: dict[int, set[str]] | None = None) -> list[str]:
+def root_names(model: nn.Module) -> list[str]:
     """The modules to shard last: ``model``'s children with parameters, or ``[""]`` (``model`` itself) when
     ``model`` has parameters of its own or its children share parameters."""
-    owners = _parameter_owners(model) if owners is None else owners
+    owners = _parameter_owners(model)
     children = [(n, c) for n, c in model.named_children() if any(True for _ in c.parameters())]
     if (
         not children
