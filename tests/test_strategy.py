@@ -320,31 +320,6 @@ def test_clear_errors(case: str, expected: str) -> None:
         assert re.search(expected, message), message
 
 
-# --------------------------------------------------------------------------- full checkpoint: save and resume
-def _fit_epochs(epochs: int, save_to: str | None, resume_from: str | None) -> dict:
-    module = LlamaModule(start_state=None if resume_from else _start_state())
-    trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=FSDP2Strategy(), **_trainer_kwargs(max_steps=-1, max_epochs=epochs)
-    )
-    trainer.fit(module, ckpt_path=resume_from)
-    if save_to:
-        trainer.save_checkpoint(save_to)
-    return {"state": full_state(module), "step": trainer.global_step}
-
-
-def test_save_and_resume_continues_exactly(tmp_path) -> None:
-    """Weights, optimizer state and loop progress come back: 1 epoch + resume for 1 more == 2 epochs straight."""
-    straight = run_distributed(_fit_epochs, 2, 2, None, None)[0]
-    path = str(tmp_path / "epoch1.ckpt")
-    first = run_distributed(_fit_epochs, 2, 1, path, None)[0]
-    checkpoint = torch.load(path, weights_only=True, map_location="cpu")
-    assert checkpoint["state_dict"].keys() == first["state"].keys()  # clean names, the whole model, on rank 0
-    assert checkpoint["optimizer_states"][0]["state"], "optimizer state was saved"
-    resumed = run_distributed(_fit_epochs, 2, 2, None, path)[0]
-    assert resumed["step"] == straight["step"] == 2 * first["step"]
-    _assert_same_weights(resumed["state"], straight["state"])
-
-
 # --------------------------------------------------------------------------- validate, test and predict
 class EvalModule(LlamaModule):
     def test_step(self, batch: torch.Tensor, batch_idx: int) -> None:

@@ -113,7 +113,10 @@ def meta_tensor_names(module: nn.Module) -> list[str]:
 
 
 def materialize_module(
-    module: nn.Module, device: torch.device, buffer_device: torch.device | None = None
+    module: nn.Module,
+    device: torch.device,
+    buffer_device: torch.device | None = None,
+    overwritten: set[str] = frozenset(),  # type: ignore[assignment]
 ) -> list[str]:
     """Allocate real storage on ``device`` for every meta tensor of ``module``; return their names.
 
@@ -121,18 +124,23 @@ def materialize_module(
     (integers with their maximum) so that :func:`check_initialized` can tell what no rule wrote. Tensors that are
     already real (buffers built eagerly, parameters of a module built outside ``meta``) keep their values and are
     only moved. Buffers go to ``buffer_device`` (default ``device``): with CPU offload the sharded parameters live in
-    CPU memory, but buffers are used as they are by the forward on the accelerator.
+    CPU memory, but buffers are used as they are by the forward on the accelerator. Tensors named in
+    ``overwritten`` are left unfilled: a pretrained load is about to copy every element of their shards, and filling
+    gigabytes only to overwrite them costs real time.
     """
     materialized = meta_tensor_names(module)
     if not materialized:
         return []
     buffer_ids = {id(b) for b in module.buffers()}
+    unfilled = {id(t) for name, t in named_tensors(module) if name in overwritten}
 
     def allocate(tensor: Tensor) -> Tensor:
         target = (buffer_device or device) if id(tensor) in buffer_ids else device
         if not tensor.is_meta:
             return tensor.to(target)
         out = torch.empty_like(tensor, device=target)
+        if id(tensor) in unfilled:
+            return out
         return out.fill_(_sentinel(out.dtype)) if out.dtype != torch.bool else out.zero_()
 
     # `_apply` is what `Module.to_empty` uses; FSDP2 hooks it to re-register the new local shards. Unlike

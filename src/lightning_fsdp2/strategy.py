@@ -6,8 +6,11 @@ This module only orchestrates. The model's road through ``setup`` is, in order (
 2. the precision plugin converts the module (``*-true``: parameters stored in bf16/fp16);
 3. activation checkpointing on the chosen modules (``wrap.py``), before any FSDP hook exists;
 4. ``fully_shard`` bottom-up, then the root (``wrap.py``);
-5. each rank materializes and initializes only its own shards, then checks nothing was left unset (``init.py``);
+5. each rank materializes its own shards, loads the slices of pretrained weights that ``load_pretrained``
+   declared (``checkpoint.py``), initializes the rest, then checks nothing was left unset (``init.py``);
 6. the optimizer is created over the sharded ``DTensor`` parameters (Lightning's ``setup_optimizers``).
+
+Checkpoints are saved and loaded by the functions in ``checkpoint.py``, in the format ``state_dict_type`` names.
 """
 
 from __future__ import annotations
@@ -15,10 +18,11 @@ from __future__ import annotations
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
@@ -42,6 +46,7 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.optim import Optimizer
 
+from lightning_fsdp2 import checkpoint as ckpt
 from lightning_fsdp2.init import (
     check_initialized,
     initialize_module,
@@ -56,6 +61,7 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+StateDictType = Literal["full", "sharded"]
 
 
 class FSDP2Strategy(ParallelStrategy):
@@ -84,6 +90,12 @@ class FSDP2Strategy(ParallelStrategy):
         start_method: how Lightning starts the processes: ``"popen"`` re-runs the script (default, as ``DDPStrategy``),
             or ``"spawn"``/``"fork"``/``"forkserver"`` through ``torch.multiprocessing``. With the latter the trained
             weights stay in the worker processes (they are sharded); save a checkpoint to keep them.
+        state_dict_type: how checkpoints are saved. ``"full"``: one file written by rank 0, the same a single-device
+            run writes (loadable without this library). ``"sharded"``: a directory in which every rank writes its
+            own shards (``torch.distributed.checkpoint``), much faster and lighter for large models. Both kinds
+            are loaded by ``fit(ckpt_path=...)`` on any number of processes.
+        save_trainable_only: save only parameters with ``requires_grad=True`` (and their optimizer state), e.g. the
+            LoRA adapters of a frozen base. On resume the frozen base must come from ``load_pretrained`` again.
     """
 
     strategy_name = "fsdp2"
@@ -100,6 +112,8 @@ class FSDP2Strategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "popen",
+        state_dict_type: StateDictType = "full",
+        save_trainable_only: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -125,7 +139,12 @@ class FSDP2Strategy(ParallelStrategy):
         self._meta_init = meta_init
         self._process_group_backend = process_group_backend
         self._timeout = timeout
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}.")
         self._start_method = start_method
+        self._state_dict_type = state_dict_type
+        self._save_trainable_only = save_trainable_only
+        self._loading: Path | None = None  # the checkpoint being restored (set by load_checkpoint)
         self._device_mesh: DeviceMesh | None = None
         self.num_nodes = 1
 
@@ -245,6 +264,8 @@ class FSDP2Strategy(ParallelStrategy):
             return module
         _check_no_fsdp1(module)
         _check_built(module)
+        # Planned before sharding, so that a checkpoint that does not fit fails before any memory is allocated.
+        pretrained = ckpt.pending_pretrained(module)
         module = self.precision_plugin.convert_module(module)
         if self._activation_checkpointing_policy is not None:
             apply_activation_checkpointing(module, self._activation_checkpointing_policy)
@@ -258,9 +279,14 @@ class FSDP2Strategy(ParallelStrategy):
         )
         # Offloaded shards live in CPU memory; FSDP2 copies them to the device when it gathers them.
         storage = torch.device("cpu") if self._offload_policy is not None else self.root_device
-        materialized = materialize_module(module, storage, buffer_device=self.root_device)
-        initialize_module(module, materialized)
-        check_initialized(module, materialized, self.root_device)
+        loaded = pretrained.covered
+        materialized = materialize_module(module, storage, buffer_device=self.root_device, overwritten=loaded)
+        # Tensors that pretrained weights overwrite are neither initialized nor checked for the NaN sentinel: every
+        # element of their shards is copied from the file (or the load raises). At scale that saves minutes.
+        to_initialize = [name for name in materialized if name not in loaded]
+        initialize_module(module, to_initialize)
+        pretrained.run(module)
+        check_initialized(module, to_initialize, self.root_device)
         module._fsdp2_parallelized = True
         return module
 
@@ -341,42 +367,101 @@ class FSDP2Strategy(ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
 
-    # ---------------------------------------------------------------- checkpoints (full state dict)
+    # ---------------------------------------------------------------- checkpoints
+    @property
+    def _sharded(self) -> bool:
+        return self._state_dict_type == "sharded"
+
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The whole model's state dict with clean names, gathered to rank 0 on CPU (empty on other ranks)."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
-
+        """The model's state dict with clean names: whole tensors on rank 0 (``"full"``) or each rank's shards."""
         assert self.model is not None
-        return get_model_state_dict(self.model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-
-    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        """Load a full state dict into the sharded model: each rank keeps the slices its shards hold."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
-
-        assert self.model is not None
-        set_model_state_dict(
-            self.model, checkpoint["state_dict"], options=StateDictOptions(full_state_dict=True, strict=strict)
-        )
+        return ckpt.model_state(self.model, sharded=self._sharded, trainable_only=self._save_trainable_only)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer's state keyed by parameter name, gathered to rank 0 on CPU."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
-
+        """The optimizer's state: index-keyed on rank 0 as a single device writes it (``"full"``), or shards."""
         assert self.model is not None
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
-        return get_optimizer_state_dict(
-            self.model, optimizer, options=StateDictOptions(full_state_dict=True, cpu_offload=True)
-        )
+        return ckpt.optimizer_state(self.model, optimizer, sharded=self._sharded)
+
+    def save_checkpoint(
+        self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
+    ) -> None:
+        """Write ``checkpoint`` atomically: one file from rank 0 (``"full"``) or a directory from all ranks."""
+        path = Path(self.broadcast(str(filepath)))  # all ranks write to rank 0's path
+        checkpoint[ckpt.FORMAT_KEY] = {
+            "state_dict_type": self._state_dict_type,
+            "trainable_only": self._save_trainable_only,
+            "world_size": self.world_size,
+        }
+        if self._sharded:
+            if storage_options is not None:
+                raise TypeError("Sharded checkpoints are written with torch.distributed.checkpoint; drop storage_options.")
+            ckpt.save_sharded(checkpoint, path)
+        elif self.is_global_zero:
+            if type(self.checkpoint_io) is TorchCheckpointIO:
+                ckpt.atomic_save(checkpoint, path)
+            else:  # the user's own CheckpointIO plugin decides how files are written
+                self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        self.barrier()
+
+    def remove_checkpoint(self, filepath: str | Path) -> None:
+        """Delete a checkpoint file or sharded directory (rank 0), e.g. one ``ModelCheckpoint`` no longer keeps."""
+        path = Path(filepath)
+        if self.is_global_zero:
+            if path.is_dir():
+                import shutil
+
+                shutil.rmtree(path)
+            elif path.exists():
+                self.checkpoint_io.remove_checkpoint(path)
+
+    def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
+        """Read a checkpoint of either format; tensors stay on disk (``mmap``) until loaded into the shards.
+
+        ``weights_only`` defaults to ``True``: nothing but tensors and plain containers is unpickled.
+        """
+        path = Path(self.broadcast(str(checkpoint_path)))
+        weights_only = True if weights_only is None else weights_only
+        self._loading = path
+        if path.is_dir():
+            return ckpt.read_sharded_meta(path, weights_only=weights_only)
+        if type(self.checkpoint_io) is not TorchCheckpointIO:
+            return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
+        return ckpt.load_torch_file(path, weights_only=weights_only)
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """Load the model's weights from a checkpoint of either format into the shards, at any world size."""
+        assert self.model is not None
+        fmt = checkpoint.get(ckpt.FORMAT_KEY, {})
+        frozen = {n for n, p in self.model.named_parameters() if not p.requires_grad}
+        # A trainable-only checkpoint leaves out the frozen base, which load_pretrained has already loaded.
+        may_be_missing = frozen.__contains__ if fmt.get("trainable_only") else None
+        if self._loading is not None and self._loading.is_dir():
+            ckpt.load_sharded_model(self.model, self._loading, strict=strict, may_be_missing=may_be_missing)
+        else:
+            ckpt.load_full_state_dict(
+                self.model, checkpoint["state_dict"], strict=strict, may_be_missing=may_be_missing,
+                origin=str(self._loading or "the checkpoint"),
+            )
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        """Load each optimizer's full state into its sharded state."""
+        """Load each optimizer's state into its sharded state, at any world size."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
 
         assert self.model is not None
-        for optimizer, state in zip(self.optimizers, checkpoint.get("optimizer_states", [])):
-            set_optimizer_state_dict(
-                self.model, optimizer, state, options=StateDictOptions(full_state_dict=True)
+        if self._loading is not None and self._loading.is_dir():
+            for i, optimizer in enumerate(self.optimizers):
+                ckpt.load_sharded_optimizer(self.model, optimizer, self._loading, i)
+            return
+        states = checkpoint.get("optimizer_states", [])
+        if len(states) != len(self.optimizers):
+            raise ckpt.CheckpointError(
+                f"The checkpoint {self._loading} holds state for {len(states)} optimizer(s), but"
+                f" `configure_optimizers` returned {len(self.optimizers)}."
             )
+        for optimizer, state in zip(self.optimizers, states):
+            by_name = ckpt.optimizer_state_by_name(state, optimizer, self.model)
+            set_optimizer_state_dict(self.model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -1,0 +1,128 @@
+"""Convert checkpoints offline: a sharded checkpoint into a full one, or any checkpoint into Hugging Face safetensors.
+
+From the command line (one process, no GPU, no process group)::
+
+    python -m lightning_fsdp2.convert last.ckpt/ last-full.ckpt          # sharded directory -> full .ckpt
+    python -m lightning_fsdp2.convert last.ckpt/ hf-model/ --to hf --config-from base-model/
+                                                                         # sharded or full -> safetensors directory
+
+The conversion holds the whole model in memory (and, for ``--to full``, the optimizer state): run it on a machine
+with that much RAM, not inside training. The full file is exactly what ``state_dict_type="full"`` would have
+written, so a plain ``Trainer`` can load it; the Hugging Face directory holds ``model.safetensors`` (or shards with
+an index) under the model's own parameter names.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+from lightning_fsdp2.checkpoint import (
+    FORMAT_KEY,
+    atomic_save,
+    is_sharded_checkpoint,
+    load_torch_file,
+    optimizer_state_by_index,
+    read_sharded_meta,
+    replace,
+)
+
+__all__ = ["read_full_checkpoint", "sharded_to_full", "to_hf_safetensors", "main"]
+
+
+def read_full_checkpoint(src: str | os.PathLike) -> dict[str, Any]:
+    """A checkpoint of either format as one in-memory full checkpoint (the dict a ``"full"`` file holds)."""
+    src = Path(src)
+    if not src.is_dir():
+        return load_torch_file(src)
+    from torch.distributed.checkpoint import FileSystemReader
+    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner, _load_state_dict
+
+    checkpoint = read_sharded_meta(src)
+    tensors: dict[str, Any] = {}
+    # The empty-state-dict planner loads everything the checkpoint holds, whole, into this one process. It is what
+    # torch's own `dcp_to_torch_save` does; the public `dcp.load` would not add keys to an empty dict.
+    _load_state_dict(tensors, storage_reader=FileSystemReader(src), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    checkpoint["state_dict"] = tensors.pop("state_dict", {})
+    optimizers = sorted((k for k in tensors if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
+    if optimizers:
+        checkpoint["optimizer_states"] = [optimizer_state_by_index(tensors[k]) for k in optimizers]
+    checkpoint[FORMAT_KEY] = {**checkpoint.get(FORMAT_KEY, {}), "state_dict_type": "full"}
+    return checkpoint
+
+
+def sharded_to_full(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
+    """Write the sharded checkpoint ``src`` as one full Lightning checkpoint file ``dst`` (atomically)."""
+    if not is_sharded_checkpoint(src):
+        raise ValueError(f"{src} is not a sharded checkpoint directory (it needs '.metadata' and 'meta.pt').")
+    atomic_save(read_full_checkpoint(src), dst)
+    return Path(dst)
+
+
+def to_hf_safetensors(
+    src: str | os.PathLike,
+    dst: str | os.PathLike,
+    *,
+    prefix: str | None = None,
+    config_from: str | os.PathLike | None = None,
+    max_shard_size: str = "5GB",
+) -> Path:
+    """Write the model weights of checkpoint ``src`` (either format) as a Hugging Face safetensors directory.
+
+    ``prefix`` is stripped from every name and names without it are left out: pass the ``LightningModule``
+    attribute that holds the Hugging Face model, e.g. ``"model."``. By default, the first name segment if every
+    name shares it. Tied weights are written once. A peft model keeps peft's names (``base_layer``, ``lora_A``);
+    ``load_pretrained`` reads those. ``config_from``: a Hugging Face model directory whose ``config.json`` (and
+    generation config and tokenizer files) are copied along, so that ``from_pretrained(dst)`` works; a checkpoint
+    does not hold the model's configuration.
+    """
+    import shutil
+
+    from huggingface_hub import save_torch_state_dict
+
+    state = read_full_checkpoint(src)["state_dict"]
+    if prefix is None:
+        heads = {name.split(".", 1)[0] for name in state}
+        prefix = f"{heads.pop()}." if len(heads) == 1 and all("." in n for n in state) else ""
+    weights = {name[len(prefix) :]: t.contiguous() for name, t in state.items() if name.startswith(prefix)}
+    if not weights:
+        raise ValueError(f"No parameter name in {src} starts with {prefix!r}.")
+    dst = Path(dst)
+    tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
+    tmp.mkdir(parents=True)
+    save_torch_state_dict(weights, tmp, max_shard_size=max_shard_size)
+    if config_from is not None:
+        for file in Path(config_from).iterdir():
+            if file.is_file() and (file.name in _CONFIG_FILES or file.name.startswith("tokenizer")):
+                shutil.copy2(file, tmp / file.name)
+    replace(tmp, dst)
+    return dst
+
+
+_CONFIG_FILES = {"config.json", "generation_config.json", "special_tokens_map.json", "vocab.json", "merges.txt"}
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Command-line entry point: ``python -m lightning_fsdp2.convert SRC DST [--to full|hf] [--prefix P]``."""
+    parser = argparse.ArgumentParser(prog="python -m lightning_fsdp2.convert", description=__doc__.split("\n")[0])
+    parser.add_argument("src", help="a sharded checkpoint directory (or, for --to hf, a full .ckpt file)")
+    parser.add_argument("dst", help="the full .ckpt file or Hugging Face directory to write")
+    parser.add_argument("--to", choices=["full", "hf"], default="full", help="output format (default: full)")
+    parser.add_argument("--prefix", default=None, help="for --to hf: name prefix to strip, e.g. 'model.'")
+    parser.add_argument("--config-from", default=None, help="for --to hf: model directory to copy config.json from")
+    parser.add_argument("--max-shard-size", default="5GB", help="for --to hf: largest safetensors file")
+    args = parser.parse_args(argv)
+    if args.to == "full":
+        out = sharded_to_full(args.src, args.dst)
+    else:
+        out = to_hf_safetensors(
+            args.src, args.dst, prefix=args.prefix, config_from=args.config_from, max_shard_size=args.max_shard_size
+        )
+    print(f"wrote {out}")
+
+
+if __name__ == "__main__":
+    main()
