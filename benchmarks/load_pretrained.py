@@ -17,7 +17,7 @@ what the process held when ``configure_model`` started.
     python benchmarks/load_pretrained.py                # ~150M parameters
     python benchmarks/load_pretrained.py --size large   # ~550M parameters (needs ~10 GB RAM)
 
-Writes ``benchmarks/results/load_pretrained.{md,json}``.
+Writes ``benchmarks/results/load_pretrained-<size>.{md,json}``.
 """
 
 from __future__ import annotations
@@ -212,8 +212,8 @@ def main() -> None:
     ]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "load_pretrained.json").write_text(json.dumps(summary, indent=2) + "\n")
-    (out / "load_pretrained.md").write_text("\n".join(lines) + "\n")
+    (out / f"load_pretrained-{args.size}.json").write_text(json.dumps(summary, indent=2) + "\n")
+    (out / f"load_pretrained-{args.size}.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

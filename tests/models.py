@@ -146,3 +146,105 @@ def quiet_trainer_kwargs() -> dict[str, Any]:
         enable_model_summary=False,
         use_distributed_sampler=False,
     )
+
+
+# --------------------------------------------------------------------------- checkpoints: pretrained and resume
+GLOBAL_BATCH = 8  # split over the ranks, so every world size takes the same optimizer steps
+
+
+def world() -> int:
+    """This process's world size (1 without a process group)."""
+    # Lightning's environment deletes WORLD_SIZE when a Trainer tears down; later Trainers in the process ask torch.
+    if torch.distributed.is_available() and torch.distributed.is_initialized():
+        return torch.distributed.get_world_size()
+    import os
+
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+def save_tiny_pretrained(path, seed: int = 0, **config: Any):
+    """A tiny Llama saved by `save_pretrained`, split into several safetensors files with an index."""
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(seed)
+    LlamaForCausalLM(tiny_llama_config(**config)).save_pretrained(path, max_shard_size="100KB")
+    return path
+
+
+class ResumeModule(LlamaModule):
+    """A tiny Llama (LoRA or fully trained) whose initial weights come from `load_pretrained`, with AdamW and a
+    per-step LR schedule, so that a resume has weights, optimizer state, scheduler and loop progress to restore.
+    The per-rank batch is `GLOBAL_BATCH / world size`: every world size takes the same steps."""
+
+    def __init__(self, pretrained: str, lora: bool = False, **kwargs: Any) -> None:
+        # lr 1e-3: Adam turns rounding differences of near-zero gradients into steps of up to lr, and a single-device
+        # run rounds differently from a sharded one; a resume that lost any state is off by about lr, 10x the 1e-4.
+        super().__init__(lora=lora, batch_size=GLOBAL_BATCH // world(), n_samples=16, lr=1e-3, **kwargs)
+        self.pretrained = pretrained
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from peft import LoraConfig, get_peft_model
+        from transformers import LlamaForCausalLM
+
+        from lightning_fsdp2 import load_pretrained
+
+        model = LlamaForCausalLM(tiny_llama_config(**self.config_overrides))
+        load_pretrained(model, self.pretrained)
+        if self.lora:
+            model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        self.model = model
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.7)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def fit_resumable(
+    pretrained: str,
+    epochs: int,
+    save_to: str | None = None,
+    resume_from: str | None = None,
+    strategy: dict | None = None,
+    module: dict | None = None,
+) -> dict:
+    """Fit a ResumeModule for `epochs` (in total, counting resumed ones) under FSDP2 at this process's world size."""
+    from lightning_fsdp2 import FSDP2Strategy
+
+    model = ResumeModule(pretrained, **(module or {}))
+    trainer = L.Trainer(
+        accelerator="cpu", devices=world(), strategy=FSDP2Strategy(**(strategy or {})), max_epochs=epochs,
+        limit_val_batches=0, num_sanity_val_steps=0, **quiet_trainer_kwargs(),
+    )
+    trainer.fit(model, ckpt_path=resume_from)
+    if save_to:
+        trainer.save_checkpoint(save_to)
+    return {"state": full_state(model), "step": trainer.global_step, "lr": trainer.optimizers[0].param_groups[0]["lr"]}
+
+
+def fit_resumable_single_device(
+    pretrained: str, epochs: int, save_to: str | None = None, resume_from: str | None = None
+) -> dict:
+    """The same in this process with Lightning's default single-device strategy."""
+    model = ResumeModule(pretrained)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=1, max_epochs=epochs, limit_val_batches=0, num_sanity_val_steps=0,
+        **quiet_trainer_kwargs(),
+    )
+    trainer.fit(model, ckpt_path=resume_from)
+    if save_to:
+        trainer.save_checkpoint(save_to)
+    return {"state": full_state(model), "step": trainer.global_step, "lr": trainer.optimizers[0].param_groups[0]["lr"]}
+
+
+def assert_same_run(resumed: dict, straight: dict, what: str) -> None:
+    """Same step count, learning rate and weights (max abs diff <= 1e-4) as the uninterrupted run."""
+    import pytest
+
+    assert resumed["step"] == straight["step"], what
+    assert resumed["lr"] == pytest.approx(straight["lr"]), f"{what}: LR schedule"
+    assert resumed["state"].keys() == straight["state"].keys(), what
+    worst = max((resumed["state"][k] - straight["state"][k]).abs().max().item() for k in straight["state"])
+    assert worst <= 1e-4, f"{what}: max abs diff {worst}"

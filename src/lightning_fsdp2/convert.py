@@ -29,19 +29,25 @@ from lightning_fsdp2.checkpoint import (
     read_sharded_meta,
     replace,
 )
+from lightning_fsdp2.checkpoint.formats import SHARDED_PATH_KEY
 
 __all__ = ["read_full_checkpoint", "sharded_to_full", "to_hf_safetensors", "main"]
 
 
-def read_full_checkpoint(src: str | os.PathLike) -> dict[str, Any]:
-    """A checkpoint of either format as one in-memory full checkpoint (the dict a ``"full"`` file holds)."""
+def read_full_checkpoint(src: str | os.PathLike, weights_only: bool = True) -> dict[str, Any]:
+    """A checkpoint of either format as one in-memory full checkpoint (the dict a ``"full"`` file holds).
+
+    ``weights_only=False`` unpickles arbitrary objects: only for files you trust.
+    """
     src = Path(src)
     if not src.is_dir():
-        return load_torch_file(src)
+        return load_torch_file(src, weights_only=weights_only)
     from torch.distributed.checkpoint import FileSystemReader
     from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner, _load_state_dict
 
-    checkpoint = read_sharded_meta(src)
+    checkpoint = read_sharded_meta(src, weights_only=weights_only)
+    checkpoint.pop(SHARDED_PATH_KEY, None)
+    checkpoint.pop("optimizer_states", None)  # placeholders; the states themselves follow
     tensors: dict[str, Any] = {}
     # The empty-state-dict planner loads everything the checkpoint holds, whole, into this one process. It is what
     # torch's own `dcp_to_torch_save` does; the public `dcp.load` would not add keys to an empty dict.
@@ -93,12 +99,16 @@ def to_hf_safetensors(
     dst = Path(dst)
     tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
     tmp.mkdir(parents=True)
-    save_torch_state_dict(weights, tmp, max_shard_size=max_shard_size)
-    if config_from is not None:
-        for file in Path(config_from).iterdir():
-            if file.is_file() and (file.name in _CONFIG_FILES or file.name.startswith("tokenizer")):
-                shutil.copy2(file, tmp / file.name)
-    replace(tmp, dst)
+    try:
+        save_torch_state_dict(weights, tmp, max_shard_size=max_shard_size)
+        if config_from is not None:
+            for file in Path(config_from).iterdir():
+                if file.is_file() and (file.name in _CONFIG_FILES or file.name.startswith("tokenizer")):
+                    shutil.copy2(file, tmp / file.name)
+        replace(tmp, dst)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp)
     return dst
 
 

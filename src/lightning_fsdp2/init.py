@@ -21,8 +21,9 @@ whatever bytes ``torch.empty`` returned.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Generator, Iterator
+from collections.abc import Callable, Generator, Iterator, Set
 from contextlib import contextmanager
+from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -40,6 +41,16 @@ __all__ = [
 
 class UninitializedError(RuntimeError):
     """Raised when parameters or buffers were left without values after materialization."""
+
+
+# True while `configure_model` runs under FSDP2Strategy's meta init: a strategy that materializes the model later is
+# there to run deferred pretrained loads (`checkpoint.load_pretrained`). Anywhere else a load on meta would be lost.
+_materialized_later: ContextVar[bool] = ContextVar("lightning_fsdp2_materialized_later", default=False)
+
+
+def materialized_later() -> bool:
+    """Whether the model being built now will be materialized (and deferred loads run) by ``FSDP2Strategy``."""
+    return _materialized_later.get()
 
 
 @contextmanager
@@ -62,9 +73,11 @@ def meta_init_context() -> Generator[None, None, None]:
 
     nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
     refused = _refuse_loading_on_meta()
+    token = _materialized_later.set(True)
     try:
         yield
     finally:
+        _materialized_later.reset(token)
         nn.Module.register_parameter = original  # type: ignore[method-assign]
         for cls, method in refused:
             setattr(cls, "from_pretrained", method)
@@ -116,7 +129,7 @@ def materialize_module(
     module: nn.Module,
     device: torch.device,
     buffer_device: torch.device | None = None,
-    overwritten: set[str] = frozenset(),  # type: ignore[assignment]
+    to_load: Set[str] = frozenset(),
 ) -> list[str]:
     """Allocate real storage on ``device`` for every meta tensor of ``module``; return their names.
 
@@ -125,14 +138,14 @@ def materialize_module(
     already real (buffers built eagerly, parameters of a module built outside ``meta``) keep their values and are
     only moved. Buffers go to ``buffer_device`` (default ``device``): with CPU offload the sharded parameters live in
     CPU memory, but buffers are used as they are by the forward on the accelerator. Tensors named in
-    ``overwritten`` are left unfilled: a pretrained load is about to copy every element of their shards, and filling
+    ``to_load`` are left unfilled: a pretrained load is about to copy every element of their shards, and filling
     gigabytes only to overwrite them costs real time.
     """
     materialized = meta_tensor_names(module)
     if not materialized:
         return []
     buffer_ids = {id(b) for b in module.buffers()}
-    unfilled = {id(t) for name, t in named_tensors(module) if name in overwritten}
+    unfilled = {id(t) for name, t in named_tensors(module) if name in to_load}
 
     def allocate(tensor: Tensor) -> Tensor:
         target = (buffer_device or device) if id(tensor) in buffer_ids else device

@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
@@ -62,6 +62,7 @@ if TYPE_CHECKING:
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
 StateDictType = Literal["full", "sharded"]
+"""How checkpoints are saved: one file from rank 0, or a directory of every rank's shards."""
 
 
 class FSDP2Strategy(ParallelStrategy):
@@ -144,7 +145,6 @@ class FSDP2Strategy(ParallelStrategy):
         self._start_method = start_method
         self._state_dict_type = state_dict_type
         self._save_trainable_only = save_trainable_only
-        self._loading: Path | None = None  # the checkpoint being restored (set by load_checkpoint)
         self._device_mesh: DeviceMesh | None = None
         self.num_nodes = 1
 
@@ -280,7 +280,7 @@ class FSDP2Strategy(ParallelStrategy):
         # Offloaded shards live in CPU memory; FSDP2 copies them to the device when it gathers them.
         storage = torch.device("cpu") if self._offload_policy is not None else self.root_device
         loaded = pretrained.covered
-        materialized = materialize_module(module, storage, buffer_device=self.root_device, overwritten=loaded)
+        materialized = materialize_module(module, storage, buffer_device=self.root_device, to_load=loaded)
         # Tensors that pretrained weights overwrite are neither initialized nor checked for the NaN sentinel: every
         # element of their shards is copied from the file (or the load raises). At scale that saves minutes.
         to_initialize = [name for name in materialized if name not in loaded]
@@ -367,11 +367,7 @@ class FSDP2Strategy(ParallelStrategy):
         self.precision_plugin.teardown()
         self.accelerator.teardown()
 
-    # ---------------------------------------------------------------- checkpoints
-    @property
-    def _sharded(self) -> bool:
-        return self._state_dict_type == "sharded"
-
+    # ---------------------------------------------------------------- checkpoints (checkpoint/formats.py)
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's state dict with clean names: whole tensors on rank 0 (``"full"``) or each rank's shards."""
         assert self.model is not None
@@ -387,81 +383,41 @@ class FSDP2Strategy(ParallelStrategy):
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
         """Write ``checkpoint`` atomically: one file from rank 0 (``"full"``) or a directory from all ranks."""
-        path = Path(self.broadcast(str(filepath)))  # all ranks write to rank 0's path
-        checkpoint[ckpt.FORMAT_KEY] = {
-            "state_dict_type": self._state_dict_type,
-            "trainable_only": self._save_trainable_only,
-            "world_size": self.world_size,
-        }
-        if self._sharded:
-            if storage_options is not None:
-                raise TypeError("Sharded checkpoints are written with torch.distributed.checkpoint; drop storage_options.")
-            ckpt.save_sharded(checkpoint, path)
-        elif self.is_global_zero:
-            if type(self.checkpoint_io) is TorchCheckpointIO:
-                ckpt.atomic_save(checkpoint, path)
-            else:  # the user's own CheckpointIO plugin decides how files are written
-                self.checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+        ckpt.save(
+            checkpoint,
+            self.broadcast(str(filepath)),  # every rank writes to rank 0's path
+            sharded=self._sharded,
+            trainable_only=self._save_trainable_only,
+            world_size=self.world_size,
+            checkpoint_io=self.checkpoint_io,
+            storage_options=storage_options,
+        )
         self.barrier()
 
     def remove_checkpoint(self, filepath: str | Path) -> None:
         """Delete a checkpoint file or sharded directory (rank 0), e.g. one ``ModelCheckpoint`` no longer keeps."""
-        path = Path(filepath)
         if self.is_global_zero:
-            if path.is_dir():
-                import shutil
-
-                shutil.rmtree(path)
-            elif path.exists():
-                self.checkpoint_io.remove_checkpoint(path)
+            ckpt.remove(filepath)
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
-        """Read a checkpoint of either format; tensors stay on disk (``mmap``) until loaded into the shards.
-
-        ``weights_only`` defaults to ``True``: nothing but tensors and plain containers is unpickled.
-        """
-        path = Path(self.broadcast(str(checkpoint_path)))
-        weights_only = True if weights_only is None else weights_only
-        self._loading = path
-        if path.is_dir():
-            return ckpt.read_sharded_meta(path, weights_only=weights_only)
-        if type(self.checkpoint_io) is not TorchCheckpointIO:
-            return self.checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-        return ckpt.load_torch_file(path, weights_only=weights_only)
+        """Read a checkpoint of either format (``weights_only=True`` unless you pass ``False``); its tensors stay
+        on disk until :meth:`load_model_state_dict` and :meth:`load_optimizer_state_dict` copy them into shards."""
+        path = self.broadcast(str(checkpoint_path))
+        return ckpt.load(path, weights_only=weights_only, checkpoint_io=self.checkpoint_io)
 
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load the model's weights from a checkpoint of either format into the shards, at any world size."""
         assert self.model is not None
-        fmt = checkpoint.get(ckpt.FORMAT_KEY, {})
-        frozen = {n for n, p in self.model.named_parameters() if not p.requires_grad}
-        # A trainable-only checkpoint leaves out the frozen base, which load_pretrained has already loaded.
-        may_be_missing = frozen.__contains__ if fmt.get("trainable_only") else None
-        if self._loading is not None and self._loading.is_dir():
-            ckpt.load_sharded_model(self.model, self._loading, strict=strict, may_be_missing=may_be_missing)
-        else:
-            ckpt.load_full_state_dict(
-                self.model, checkpoint["state_dict"], strict=strict, may_be_missing=may_be_missing,
-                origin=str(self._loading or "the checkpoint"),
-            )
+        ckpt.load_model(self.model, checkpoint, strict=strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load each optimizer's state into its sharded state, at any world size."""
-        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-
         assert self.model is not None
-        if self._loading is not None and self._loading.is_dir():
-            for i, optimizer in enumerate(self.optimizers):
-                ckpt.load_sharded_optimizer(self.model, optimizer, self._loading, i)
-            return
-        states = checkpoint.get("optimizer_states", [])
-        if len(states) != len(self.optimizers):
-            raise ckpt.CheckpointError(
-                f"The checkpoint {self._loading} holds state for {len(states)} optimizer(s), but"
-                f" `configure_optimizers` returned {len(self.optimizers)}."
-            )
-        for optimizer, state in zip(self.optimizers, states):
-            by_name = ckpt.optimizer_state_by_name(state, optimizer, self.model)
-            set_optimizer_state_dict(self.model, optimizer, by_name, options=StateDictOptions(full_state_dict=True))
+        ckpt.load_optimizers(self.model, self.optimizers, checkpoint)
+
+    @property
+    def _sharded(self) -> bool:
+        return self._state_dict_type == "sharded"
 
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:

@@ -1,0 +1,84 @@
+"""Values from checkpoints into the sharded model, and the model's state out to disk.
+
+Two jobs, one primitive. *Loading pretrained weights* (:func:`load_pretrained`) and *resuming from a full
+checkpoint* (:func:`load_full_state_dict`) both copy tensors from a file into parameters that are already sharded,
+the same way: for each parameter, work out which slice of the whole tensor this rank's shard holds
+(:func:`local_slice`), read only that slice from the file (safetensors ``get_slice`` or an ``mmap``-ed
+``torch.load``), copy it into the local shard. No rank ever holds the whole checkpoint, and no rank waits on
+another: there is no broadcast from rank 0.
+
+*Saving* has two formats (``FSDP2Strategy(state_dict_type=...)``):
+
+- ``"full"``: one Lightning checkpoint file written by rank 0, exactly what a single-device run writes (clean
+  parameter names, optimizer state in ``torch.optim``'s index-keyed form). Tensors reach rank 0 one at a time
+  (:func:`gather_to_rank0`).
+- ``"sharded"``: a directory written by ``torch.distributed.checkpoint`` (each rank its own shards) plus
+  ``meta.pt`` with everything else Lightning saves. Resharding to another world size happens on load.
+
+Every write goes to a temporary name beside the target and is renamed into place only when complete, so a process
+killed mid-save leaves the previous checkpoint as it was. Every read is ``weights_only=True`` or safetensors.
+
+The modules: ``files`` (safe reads and atomic writes), ``sources`` (tensors read a slice at a time), ``shards``
+(whole tensors to and from shards), ``plan`` (matching names and shapes), ``pretrained`` (``load_pretrained``),
+``formats`` (the two checkpoint formats, as the strategy's hooks use them).
+"""
+
+from lightning_fsdp2.checkpoint.files import (
+    FORMAT_KEY,
+    META_FILENAME,
+    CheckpointError,
+    atomic_save,
+    check_sharded_files,
+    is_sharded_checkpoint,
+    load_torch_file,
+    remove,
+    replace,
+)
+from lightning_fsdp2.checkpoint.formats import (
+    load,
+    load_full_state_dict,
+    load_model,
+    load_optimizers,
+    model_state,
+    optimizer_state,
+    optimizer_state_by_index,
+    optimizer_state_by_name,
+    read_sharded_meta,
+    save,
+)
+from lightning_fsdp2.checkpoint.plan import canonical_name
+from lightning_fsdp2.checkpoint.pretrained import PendingPretrained, load_pretrained, pending_pretrained
+from lightning_fsdp2.checkpoint.shards import copy_into, gather_to_rank0, local_slice
+from lightning_fsdp2.checkpoint.sources import PretrainedSource, TensorSource, open_source
+
+__all__ = [
+    "FORMAT_KEY",
+    "META_FILENAME",
+    "CheckpointError",
+    "PendingPretrained",
+    "PretrainedSource",
+    "TensorSource",
+    "atomic_save",
+    "canonical_name",
+    "check_sharded_files",
+    "copy_into",
+    "gather_to_rank0",
+    "is_sharded_checkpoint",
+    "load",
+    "load_full_state_dict",
+    "load_model",
+    "load_optimizers",
+    "load_pretrained",
+    "load_torch_file",
+    "local_slice",
+    "model_state",
+    "open_source",
+    "optimizer_state",
+    "optimizer_state_by_index",
+    "optimizer_state_by_name",
+    "pending_pretrained",
+    "read_sharded_meta",
+    "remove",
+    "replace",
+    "save",
+]

@@ -1,0 +1,173 @@
+"""Which source tensor goes into which model tensor: matching names, checking shapes, then copying slices."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+
+from torch import Tensor, nn
+
+from lightning_fsdp2.checkpoint.shards import copy_into
+from lightning_fsdp2.checkpoint.sources import TensorSource
+
+# peft renames a wrapped layer's weight (`q_proj.weight` -> `q_proj.base_layer.weight`), prefixes the model
+# (`base_model.model.`) and keys adapters by adapter name (`lora_A.default.weight`; saved adapters drop the name).
+# Comparing canonical names lets one checkpoint fit the model before and after `get_peft_model`.
+_ADAPTER_CONTAINERS = frozenset(
+    {"lora_A", "lora_B", "lora_embedding_A", "lora_embedding_B", "lora_magnitude_vector", "modules_to_save"}
+)
+
+
+def canonical_name(name: str, adapter_names: frozenset[str] = frozenset({"default"})) -> str:
+    """``name`` without peft's wrapping: no ``base_model.model.`` prefix, ``base_layer``/``original_module``
+    segments or adapter-name segments. A plain Hugging Face name is returned as it is."""
+    parts = name.split(".")
+    if parts[:2] == ["base_model", "model"]:
+        parts = parts[2:]
+    out: list[str] = []
+    for part in parts:
+        if part in ("base_layer", "original_module"):
+            continue
+        if out and out[-1] in _ADAPTER_CONTAINERS and part in adapter_names:
+            continue
+        out.append(part)
+    return ".".join(out)
+
+
+def adapter_names(module: nn.Module) -> frozenset[str]:
+    """The peft adapter names configured anywhere in ``module`` (always including ``"default"``)."""
+    names = {"default"}
+    for sub in module.modules():
+        config = sub.__dict__.get("peft_config")
+        if isinstance(config, dict):
+            names.update(config)
+    return frozenset(names)
+
+
+def adapter_tensors(module: nn.Module) -> set[str]:
+    """Names of the tensors peft added to ``module``: everything inside a peft tuner layer except its base layer,
+    and every name with a LoRA or ``modules_to_save`` segment. Whatever the tuner (LoRA, IA3, ...)."""
+    names = {n for n, _ in module.named_parameters() if any(p in _ADAPTER_CONTAINERS for p in n.split("."))}
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return names
+    for prefix, sub in module.named_modules():
+        if isinstance(sub, BaseTunerLayer):
+            for name, _ in sub.named_parameters():
+                if not name.startswith(("base_layer.", "original_module.")):
+                    names.add(f"{prefix}.{name}" if prefix else name)
+    return names
+
+
+def align_prefixes(source: Iterable[str], target: Iterable[str]) -> tuple[str, str]:
+    """The prefix to strip from source names, or from target names, so that the most names match.
+
+    A base model's checkpoint (``layers.0...``) fits its ``...ForCausalLM`` (``model.layers.0...``); a Lightning
+    checkpoint's names carry the ``LightningModule`` attribute (``model.model.layers.0...``). Ties keep names as
+    they are.
+    """
+    source, target = set(source), set(target)
+
+    def prefixes(names: set[str]) -> set[str]:
+        out = set()
+        for name in names:
+            parts = name.split(".")
+            out.update(".".join(parts[:i]) + "." for i in range(1, min(3, len(parts))))
+        return out
+
+    def matches(strip_source: str, strip_target: str) -> int:
+        return len({_strip(n, strip_source) for n in source} & {_strip(n, strip_target) for n in target})
+
+    best, best_score = ("", ""), matches("", "")
+    for candidate in [(p, "") for p in prefixes(source)] + [("", p) for p in prefixes(target)]:
+        score = matches(*candidate)
+        if score > best_score:
+            best, best_score = candidate, score
+    return best
+
+
+def _strip(name: str, prefix: str) -> str:
+    return name[len(prefix) :] if prefix and name.startswith(prefix) else name
+
+
+@dataclass
+class LoadPlan:
+    """Which source tensor goes into which of the model's tensors (names relative to the module loaded into)."""
+
+    copies: dict[str, str] = field(default_factory=dict)  # model name -> source key
+    missing: list[str] = field(default_factory=list)  # model tensors the source does not cover
+    unexpected: list[str] = field(default_factory=list)  # source keys that fit nothing in the model
+    mismatched: list[str] = field(default_factory=list)  # descriptions of shape mismatches
+
+
+def loadable_tensors(module: nn.Module) -> dict[str, list[str]]:
+    """Parameters and persistent buffers: first name -> all names it goes by (tied weights have several)."""
+    non_persistent = {
+        f"{prefix}.{b}" if prefix else b
+        for prefix, sub in module.named_modules()
+        for b in getattr(sub, "_non_persistent_buffers_set", ())
+    }
+    aliases: dict[int, list[str]] = {}
+    tensors = list(module.named_parameters(remove_duplicate=False)) + list(module.named_buffers(remove_duplicate=False))
+    for name, tensor in tensors:
+        if name not in non_persistent:
+            aliases.setdefault(id(tensor), []).append(name)
+    return {names[0]: names for names in aliases.values()}
+
+
+def plan_load(
+    module: nn.Module,
+    source: TensorSource,
+    *,
+    rename_source: Callable[[str], str] | None = None,
+    rename_target: Callable[[str], str] | None = None,
+) -> LoadPlan:
+    """Match the source's keys to ``module``'s parameters and persistent buffers, checking shapes.
+
+    The ``rename_*`` functions map each side to the names compared (default: exact names). A tied weight is loaded
+    once, from the first of its names the source holds; the source's keys for its other names are not unexpected.
+    Non-persistent buffers are never loaded (no single-device checkpoint holds them), but a source that has them
+    is not faulted for it.
+    """
+    rename_source = rename_source or (lambda name: name)
+    rename_target = rename_target or (lambda name: name)
+    index: dict[str, str] = {}
+    for key in source.keys():
+        index.setdefault(rename_source(key), key)
+    tensors: dict[str, Tensor] = dict(module.named_parameters()) | dict(module.named_buffers())
+    plan = LoadPlan()
+    used: set[str] = set()
+    for name, aliases in loadable_tensors(module).items():
+        wanted = [rename_target(a) for a in aliases]
+        # A peft `modules_to_save` copy starts as the base module's weights when the source has no copy of its own.
+        wanted += [".".join(p for p in w.split(".") if p != "modules_to_save") for w in wanted if "modules_to_save" in w]
+        found = [index[w] for w in wanted if w in index]
+        used.update(found)
+        if not found:
+            plan.missing.append(name)
+            continue
+        key = found[0]
+        expected, actual = tuple(tensors[name].shape), source.shape(key)
+        if expected != actual:
+            plan.mismatched.append(
+                f"{key!r} has shape {actual} in {source.where(key)} but {name!r} has shape {expected} in the model"
+            )
+            continue
+        plan.copies[name] = key
+    ignorable = {rename_target(n) for n, _ in module.named_buffers(remove_duplicate=False)}  # non-persistent ones
+    plan.unexpected = [k for k in source.keys() if k not in used and rename_source(k) not in ignorable]
+    return plan
+
+
+def run_plan(module: nn.Module, source: TensorSource, plan: LoadPlan) -> None:
+    """Copy every planned tensor's slice into ``module``, in file order."""
+    tensors: dict[str, Tensor] = dict(module.named_parameters()) | dict(module.named_buffers())
+    for name, key in sorted(plan.copies.items(), key=lambda item: source.where(item[1])):
+        copy_into(tensors[name], source, key)
+
+
+def listing(names: list[str], limit: int = 20) -> str:
+    """``'a', 'b' and 3 more``: names for an error message."""
+    shown = ", ".join(repr(n) for n in names[:limit])
+    return shown + (f" and {len(names) - limit} more" if len(names) > limit else "")

@@ -1,0 +1,146 @@
+"""``load_pretrained``: a fine-tune's initial weights, read slice by slice into the sharded model."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+from torch import nn
+
+from lightning_fsdp2.checkpoint.files import CheckpointError
+from lightning_fsdp2.checkpoint.plan import (
+    LoadPlan,
+    adapter_names,
+    adapter_tensors,
+    align_prefixes,
+    canonical_name,
+    listing,
+    plan_load,
+    run_plan,
+)
+from lightning_fsdp2.checkpoint.sources import PretrainedSource, TensorSource, open_source
+from lightning_fsdp2.init import materialized_later
+
+_PENDING = "_fsdp2_pretrained"  # on a meta-built module: the loads to run once it is sharded and materialized
+LOADED = "_fsdp2_pretrained_loaded"  # on a module whose weights load_pretrained has given
+
+
+@dataclass
+class _PendingLoad:
+    source: PretrainedSource
+    strict: bool
+
+
+def load_pretrained(module: nn.Module, source: PretrainedSource, *, strict: bool = True) -> None:
+    """Declare that ``module``'s initial weights come from ``source``; call it in ``configure_model``.
+
+    Under ``FSDP2Strategy`` the module is on the ``meta`` device here, so the load is deferred: after the model is
+    sharded and its shards materialized, each rank reads only the slices its shards hold (safetensors
+    ``get_slice``, or an ``mmap``-ed ``torch.load``), with no broadcast from rank 0. Parameters it covers skip
+    random initialization. When the module is real (one device, DDP, ``FSDP2Strategy(meta_init=False)``) the load
+    happens at once, so the same ``LightningModule`` runs under every strategy.
+
+    Names match whether ``module`` is wrapped by ``peft.get_peft_model`` before or after this call, and ``source``
+    may hold a whole peft model's weights under peft's names, a base model's weights for a model with a head
+    (``LlamaModel`` into ``LlamaForCausalLM``), or a Lightning checkpoint's. Values are cast to each parameter's
+    dtype; tied weights stay tied; adapter parameters that ``source`` does not hold keep their fresh
+    initialization, and so do persistent buffers it does not hold.
+
+    Args:
+        module: the model (or a submodule of it) to load into.
+        source: a Hugging Face model directory (``model.safetensors``, or shards with
+            ``model.safetensors.index.json``; ``pytorch_model*.bin``), a single ``.safetensors``, ``.bin``, ``.pt`` or
+            Lightning ``.ckpt`` file, or a state dict.
+        strict: raise on keys in ``source`` that fit nothing in the model (``False``: warn). Parameters that the
+            source lacks (other than adapters) and shape mismatches always raise.
+
+    Raises:
+        CheckpointError: listing missing or unexpected keys, or naming a key whose shapes differ.
+    """
+    # Checked now, while the user is still in configure_model, so that a wrong path or model fails before any
+    # sharding; planned again after sharding, when get_peft_model may have renamed and added parameters.
+    opened = open_source(source)
+    plan = check_pretrained(module, opened, strict=strict)
+    if any(p.is_meta for p in module.parameters()):
+        if not materialized_later():
+            raise CheckpointError(
+                f"{type(module).__name__} is on the meta device, but nothing will materialize it and run the load"
+                " later: load_pretrained defers loads only in `configure_model` under FSDP2Strategy (with"
+                " meta_init=True). Build the model for real to load at once."
+            )
+        module.__dict__.setdefault(_PENDING, []).append(_PendingLoad(source, strict))
+        return
+    run_plan(module, opened, plan)
+    module.__dict__[LOADED] = True
+
+
+def check_pretrained(module: nn.Module, source: TensorSource, *, strict: bool, warn: bool = True) -> LoadPlan:
+    """Plan loading ``source`` into ``module`` by canonical (peft-agnostic) names; raise or warn on misfits."""
+    adapters = adapter_names(module)
+    targets = [canonical_name(n, adapters) for n, _ in module.named_parameters(remove_duplicate=False)]
+    strip_source, strip_target = align_prefixes((canonical_name(k, adapters) for k in source.keys()), targets)
+
+    def rename_source(name: str) -> str:
+        name = canonical_name(name, adapters)
+        return name[len(strip_source) :] if strip_source and name.startswith(strip_source) else name
+
+    def rename_target(name: str) -> str:
+        name = canonical_name(name, adapters)
+        return name[len(strip_target) :] if strip_target and name.startswith(strip_target) else name
+
+    plan = plan_load(module, source, rename_source=rename_source, rename_target=rename_target)
+    fresh = adapter_tensors(module) | {n for n, _ in module.named_buffers()}
+    missing = [n for n in plan.missing if n not in fresh]
+    problems = []
+    if plan.mismatched:
+        problems.append("shapes differ: " + "; ".join(plan.mismatched))
+    if missing:
+        problems.append(f"{len(missing)} parameter(s) of the model are not in the source: {listing(missing)}")
+    if plan.unexpected and strict:
+        problems.append(
+            f"{len(plan.unexpected)} key(s) in the source fit nothing in the model: {listing(plan.unexpected)}"
+            " (pass strict=False to ignore them)"
+        )
+    if problems:
+        raise CheckpointError(f"Cannot load pretrained weights into {type(module).__name__}: " + ". ".join(problems))
+    if plan.unexpected and warn:
+        warnings.warn(f"Ignoring {len(plan.unexpected)} key(s) that fit nothing in the model: {listing(plan.unexpected)}")
+    return plan
+
+
+@dataclass
+class PendingPretrained:
+    """The deferred :func:`load_pretrained` calls found in a model, planned against its current names."""
+
+    loads: list[tuple[str, TensorSource, LoadPlan]]
+
+    @property
+    def covered(self) -> set[str]:
+        """Names (relative to the model) of the tensors these loads will give values."""
+        return {f"{prefix}.{n}" if prefix else n for prefix, _, plan in self.loads for n in plan.copies}
+
+    def run(self, root: nn.Module) -> None:
+        """Read each rank's slices into its materialized shards."""
+        for prefix, source, plan in self.loads:
+            sub = root.get_submodule(prefix)
+            run_plan(sub, source, plan)
+            sub.__dict__.pop(_PENDING, None)
+            sub.__dict__[LOADED] = True
+
+
+def pending_pretrained(root: nn.Module) -> PendingPretrained:
+    """Collect and plan the loads that :func:`load_pretrained` deferred on ``root`` and its submodules."""
+    loads: list[tuple[str, Any, LoadPlan]] = []
+    for prefix, sub in root.named_modules():
+        # `__dict__`, not getattr: a PeftModel forwards unknown attributes to the model it wraps.
+        for pending in sub.__dict__.get(_PENDING, []):
+            source = open_source(pending.source)
+            # Unexpected keys were warned about when load_pretrained was called; once is enough.
+            loads.append((prefix, source, check_pretrained(sub, source, strict=pending.strict, warn=False)))
+    return PendingPretrained(loads)
+
+
+def has_pretrained(root: nn.Module) -> bool:
+    """Whether ``load_pretrained`` gave weights to ``root`` or one of its submodules."""
+    return any(sub.__dict__.get(LOADED, False) for sub in root.modules())

@@ -1,0 +1,121 @@
+"""Moving values between whole tensors and FSDP2 shards: a rank's slice in, whole tensors out to rank 0."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_fsdp2.checkpoint.sources import TensorSource
+
+
+def local_slice(tensor: Tensor) -> tuple[slice, ...]:
+    """The slice of the whole tensor that this rank's local piece of ``tensor`` holds (all of it if not a DTensor).
+
+    FSDP2 shards a parameter along one dimension in ``torch.chunk`` pieces: rank ``r`` holds rows
+    ``[r * ceil(n / world), ...)``, and the last ranks may hold fewer rows or none.
+    """
+    from torch.distributed.tensor import DTensor
+
+    index = [slice(0, n) for n in tensor.shape]
+    if not isinstance(tensor, DTensor):
+        return tuple(index)
+    for mesh_dim, placement in enumerate(tensor.placements):
+        if placement.is_replicate():
+            continue
+        if not placement.is_shard():
+            raise NotImplementedError(f"Loading into a DTensor placed as {placement} is not supported.")
+        dim = placement.dim  # type: ignore[attr-defined]
+        size, parts = tensor.shape[dim], tensor.device_mesh.size(mesh_dim)
+        chunk = math.ceil(size / parts)
+        start = min(tensor.device_mesh.get_local_rank(mesh_dim) * chunk, size)
+        index[dim] = slice(start, min(start + chunk, size))
+    local_shape = tuple(s.stop - s.start for s in index)
+    if local_shape != tuple(tensor.to_local().shape):
+        raise NotImplementedError(
+            f"Unexpected shard layout {tensor.placements} (local shape {tuple(tensor.to_local().shape)}, computed"
+            f" {local_shape}); only FSDP2's even chunking along one dimension is supported."
+        )
+    return tuple(index)
+
+
+@torch.no_grad()
+def copy_into(tensor: Tensor, source: TensorSource, key: str) -> None:
+    """Copy this rank's slice of ``source[key]`` into ``tensor``'s local storage, cast to its dtype."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    if local.numel() == 0 and tensor.numel() != 0:
+        return  # this rank's shard of a small tensor is empty
+    local.copy_(source.read(key, local_slice(tensor)))
+
+
+def gather_to_rank0(state: Any, same_as: Mapping[str, str] | None = None) -> Any:
+    """Replace every ``DTensor`` in a (nested) state dict by its whole tensor on CPU, on rank 0 only.
+
+    One tensor at a time: each rank sends its shard point-to-point straight into rank 0's buffer for that tensor,
+    and rank 0 moves it to CPU memory before the next. So rank 0 holds what it will write plus one tensor in
+    flight, and the other ranks hold nothing beyond their shards. (``get_model_state_dict(...,
+    full_state_dict=True)`` all-gathers instead: every rank briefly holds each whole tensor, several times over.)
+
+    ``same_as`` maps top-level keys of tied weights to the key they share a tensor with: those are sent once and
+    stay one tensor (one storage in the file), as in a single-device state dict. Call on every rank, with the
+    same structure; other ranks get an empty dict back.
+    """
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    same_as = same_as or {}
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, Tensor):
+            return _gather_tensor(value, rank0)
+        if isinstance(value, Mapping):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(v) for v in value)
+        return value
+
+    if isinstance(state, Mapping) and same_as:
+        gathered = {k: walk(v) for k, v in state.items() if k not in same_as}
+        gathered = {k: gathered[same_as[k]] if k in same_as else gathered[k] for k in state}
+    else:
+        gathered = walk(state)
+    return gathered if rank0 else {}
+
+
+def _gather_tensor(tensor: Tensor, rank0: bool) -> Tensor | None:
+    from torch.distributed.tensor import DTensor, Shard
+
+    if not isinstance(tensor, DTensor):
+        return tensor.detach().cpu() if rank0 else None
+    mesh = tensor.device_mesh
+    if mesh.ndim != 1 or tuple(tensor.placements) != (Shard(0),) or tensor.ndim == 0 or tensor.shape[0] == 0:
+        full = tensor.full_tensor()  # a layout FSDP2 does not make by default: the general (all-gather) path
+        return full.cpu() if rank0 else None
+    group, world = mesh.get_group(), mesh.size()
+    rows = tensor.shape[0]
+    chunk = math.ceil(rows / world)
+    # With CPU offload the shards live in CPU memory, but NCCL only moves device memory.
+    local = tensor.to_local().detach().to(mesh.device_type)
+    if local.shape[0] != chunk:  # torch.chunk pieces: the last ranks may hold fewer rows; messages need equal sizes
+        padded = local.new_zeros((chunk, *local.shape[1:]))
+        padded[: local.shape[0]] = local
+        local = padded
+    # Point-to-point into the pieces of rank 0's buffer: a `gather` would (on gloo) receive into a temporary of
+    # the whole tensor first and copy from there.
+    if not rank0:
+        dist.send(local.contiguous(), dst=dist.get_global_rank(group, 0), group=group)
+        return None
+    buffer = torch.empty((world * chunk, *local.shape[1:]), dtype=local.dtype, device=local.device)
+    pieces = buffer.chunk(world)
+    pending = [dist.irecv(pieces[r], src=dist.get_global_rank(group, r), group=group) for r in range(1, world)]
+    pieces[0].copy_(local)
+    for request in pending:
+        request.wait()
+    full = buffer[:rows]
+    if full.device.type != "cpu":
+        return full.cpu()
+    return full.clone() if world * chunk != rows else full  # a view would save the padding rows too

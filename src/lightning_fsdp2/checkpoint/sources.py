@@ -1,0 +1,165 @@
+"""Named tensors in files or in memory, read one slice at a time."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Protocol, Union
+
+from torch import Tensor
+
+from lightning_fsdp2.checkpoint.files import CheckpointError, load_torch_file, missing_checkpoint, reading
+
+PretrainedSource = Union[str, os.PathLike, Mapping[str, Tensor]]
+"""A Hugging Face model directory, a ``.safetensors``/``.bin``/``.pt``/``.ckpt`` file, or a state dict."""
+
+
+class TensorSource(Protocol):
+    """Named tensors whose shapes are known up front and whose values are read a slice at a time."""
+
+    def keys(self) -> list[str]:
+        """The tensor names."""
+        ...
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The whole tensor's shape."""
+        ...
+
+    def read(self, key: str, index: tuple[slice, ...]) -> Tensor:
+        """The part ``tensor[index]`` of the tensor, reading no more than that."""
+        ...
+
+    def where(self, key: str) -> str:
+        """The file (or description) the tensor comes from, for error messages."""
+        ...
+
+
+class StateDictSource:
+    """Tensors in memory, or ``mmap``-ed by ``torch.load(mmap=True)`` (slicing touches only those pages)."""
+
+    def __init__(self, tensors: Mapping[str, Any], origin: str) -> None:
+        self._tensors = {k: v for k, v in tensors.items() if isinstance(v, Tensor)}
+        self._origin = origin
+
+    def keys(self) -> list[str]:
+        """The tensor names."""
+        return list(self._tensors)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The whole tensor's shape."""
+        return tuple(self._tensors[key].shape)
+
+    def read(self, key: str, index: tuple[slice, ...]) -> Tensor:
+        """A view of ``tensor[index]``; the copy into a shard reads only its pages."""
+        return self._tensors[key][index]
+
+    def where(self, key: str) -> str:
+        """Where the tensors came from."""
+        return self._origin
+
+
+class SafetensorsSource:
+    """One or more safetensors files, read a slice at a time.
+
+    Each read maps the file, copies out only the requested slice and unmaps it again. Mapped pages count towards a
+    process's resident memory for as long as the mapping lives; keeping one file mapped for the whole load would
+    add up to this rank's share of that file on top of its shards. Re-opening costs one header parse per tensor.
+    """
+
+    def __init__(self, files: dict[str, Path]) -> None:
+        from safetensors import safe_open
+
+        self._files = files  # key -> file
+        self._shapes: dict[str, tuple[int, ...]] = {}
+        for path in sorted(set(files.values())):
+            with reading(path), safe_open(str(path), framework="pt") as f:
+                names = set(f.keys())
+                for key, where in files.items():
+                    if where == path:
+                        if key not in names:
+                            raise CheckpointError(f"{path} does not hold {key!r}, which its index says it does.")
+                        self._shapes[key] = tuple(f.get_slice(key).get_shape())
+
+    def keys(self) -> list[str]:
+        """The tensor names."""
+        return list(self._files)
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The whole tensor's shape, from the file's header."""
+        return self._shapes[key]
+
+    def read(self, key: str, index: tuple[slice, ...]) -> Tensor:
+        """``tensor[index]`` through safetensors ``get_slice``: only those bytes are read from the file."""
+        from safetensors import safe_open
+
+        path = self._files[key]
+        with reading(path), safe_open(str(path), framework="pt") as f:
+            if not index:  # a 0-d tensor: nothing to slice
+                return f.get_tensor(key)
+            return f.get_slice(key)[index]
+
+    def where(self, key: str) -> str:
+        """The file holding ``key``."""
+        return str(self._files[key])
+
+
+def open_source(source: PretrainedSource) -> TensorSource:
+    """Open a state dict, a checkpoint file or a Hugging Face model directory for slice-wise reading."""
+    if isinstance(source, Mapping):
+        return StateDictSource(_model_weights(source), "the given state dict")
+    path = Path(source)
+    if path.is_dir():
+        return _open_directory(path)
+    if not path.exists():
+        raise missing_checkpoint(path)
+    if path.suffix == ".safetensors":
+        from safetensors import safe_open
+
+        with reading(path), safe_open(str(path), framework="pt") as f:
+            keys = list(f.keys())
+        return SafetensorsSource(dict.fromkeys(keys, path))
+    if path.name.endswith(".index.json"):
+        return _open_index(path)
+    return StateDictSource(_model_weights(load_torch_file(path)), str(path))
+
+
+def _model_weights(obj: Mapping[str, Any]) -> Mapping[str, Any]:
+    """A Lightning checkpoint's ``state_dict``, or the mapping itself."""
+    is_lightning = isinstance(obj.get("state_dict"), Mapping) and "pytorch-lightning_version" in obj
+    return obj["state_dict"] if is_lightning else obj
+
+
+def _open_directory(path: Path) -> TensorSource:
+    names = [
+        "model.safetensors.index.json",
+        "model.safetensors",
+        "pytorch_model.bin.index.json",
+        "pytorch_model.bin",
+        "adapter_model.safetensors",
+        "adapter_model.bin",
+    ]
+    for name in names:
+        if (path / name).is_file():
+            return open_source(path / name)
+    present = sorted(p.name for p in path.iterdir())[:10]
+    raise FileNotFoundError(
+        f"{path} holds no model weights: expected model.safetensors, model.safetensors.index.json,"
+        f" pytorch_model.bin or pytorch_model.bin.index.json (found {present})."
+    )
+
+
+def _open_index(index: Path) -> TensorSource:
+    with reading(index):
+        weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    files = {key: index.parent / name for key, name in weight_map.items()}
+    missing = sorted({str(f) for f in files.values() if not f.is_file()})
+    if missing:
+        raise FileNotFoundError(f"{index} lists files that do not exist: {missing}.")
+    if all(f.suffix == ".safetensors" for f in files.values()):
+        return SafetensorsSource(files)
+    tensors: dict[str, Tensor] = {}
+    for file in sorted(set(files.values())):
+        tensors.update(load_torch_file(file))
+    return StateDictSource(tensors, str(index))

@@ -1,0 +1,35 @@
+"""Fixtures shared by the checkpoint tests: a pretrained directory, checkpoints saved at world size 2, and the
+uninterrupted run every resumed run must end equal to. Session-scoped: each is made once per test run."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from tests.helpers import run_distributed
+from tests.models import fit_resumable, save_tiny_pretrained
+
+
+@pytest.fixture(scope="session")
+def pretrained(tmp_path_factory) -> Path:
+    """A tiny Llama written by `save_pretrained` as several safetensors files with an index."""
+    path = save_tiny_pretrained(tmp_path_factory.mktemp("pretrained") / "tiny-llama")
+    assert len(list(path.glob("*.safetensors"))) > 1 and (path / "model.safetensors.index.json").exists()
+    return path
+
+
+@pytest.fixture(scope="session")
+def straight(pretrained: Path) -> dict:
+    """Two epochs without interruption at world size 2."""
+    return run_distributed(fit_resumable, 2, str(pretrained), 2)[0]
+
+
+@pytest.fixture(scope="session")
+def saved(pretrained: Path, tmp_path_factory) -> dict:
+    """Checkpoints after one epoch at world size 2, in both formats."""
+    root = tmp_path_factory.mktemp("saved")
+    paths = {"full": root / "full.ckpt", "sharded": root / "sharded.ckpt"}
+    for fmt, path in paths.items():
+        run_distributed(fit_resumable, 2, str(pretrained), 1, str(path), None, {"state_dict_type": fmt})
+    return paths

@@ -1,0 +1,43 @@
+"""Offline conversion: a sharded checkpoint into a full one, either format into Hugging Face safetensors."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+from lightning_fsdp2.convert import sharded_to_full, to_hf_safetensors
+from tests.models import TokenDataset, tiny_llama_config
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=TokenDataset(4).data).logits.float()
+
+
+def test_sharded_checkpoint_converts_to_full_and_to_hugging_face(pretrained: Path, saved: dict, tmp_path: Path) -> None:
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    full = torch.load(saved["full"], weights_only=True, map_location="cpu")
+    converted_path = sharded_to_full(saved["sharded"], tmp_path / "converted.ckpt")
+    converted = torch.load(converted_path, weights_only=True, map_location="cpu")
+    assert converted["state_dict"].keys() == full["state_dict"].keys()
+    for key, value in full["state_dict"].items():
+        assert torch.allclose(converted["state_dict"][key], value, atol=1e-6), key
+    opt, ref_opt = converted["optimizer_states"][0], full["optimizer_states"][0]
+    assert opt["state"].keys() == ref_opt["state"].keys()
+    assert [g["params"] for g in opt["param_groups"]] == [g["params"] for g in ref_opt["param_groups"]]
+    assert torch.allclose(opt["state"][0]["exp_avg"], ref_opt["state"][0]["exp_avg"], atol=1e-6)
+    assert converted["loops"] == full["loops"] and converted["lr_schedulers"] == full["lr_schedulers"]
+
+    # The command line writes Hugging Face safetensors that `from_pretrained` loads.
+    hf_dir = tmp_path / "hf"
+    command = ["-m", "lightning_fsdp2.convert", str(saved["sharded"]), str(hf_dir), "--to", "hf", "--config-from"]
+    subprocess.run([sys.executable, *command, str(pretrained)], check=True, capture_output=True)
+    expected = LlamaForCausalLM(tiny_llama_config())
+    expected.load_state_dict({k.removeprefix("model."): v for k, v in full["state_dict"].items()})
+    assert torch.allclose(_logits(AutoModelForCausalLM.from_pretrained(hf_dir)), _logits(expected), atol=1e-5)
+    from_full = to_hf_safetensors(saved["full"], tmp_path / "hf-from-full", prefix="model.", config_from=pretrained)
+    assert torch.allclose(_logits(AutoModelForCausalLM.from_pretrained(from_full)), _logits(expected), atol=1e-5)
