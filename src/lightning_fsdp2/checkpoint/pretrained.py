@@ -30,6 +30,7 @@ LOADED = "_fsdp2_pretrained_loaded"  # on a module whose weights load_pretrained
 class _PendingLoad:
     source: PretrainedSource
     strict: bool
+    adapters_only: bool = False
 
 
 def load_pretrained(module: nn.Module, source: PretrainedSource, *, strict: bool = True) -> None:
@@ -58,10 +59,16 @@ def load_pretrained(module: nn.Module, source: PretrainedSource, *, strict: bool
     Raises:
         CheckpointError: listing missing or unexpected keys, or naming a key whose shapes differ.
     """
+    declare_load(module, source, strict=strict, adapters_only=False)
+
+
+def declare_load(module: nn.Module, source: PretrainedSource, *, strict: bool, adapters_only: bool) -> None:
+    """:func:`load_pretrained`, and with ``adapters_only`` the loading of saved peft adapters (``lora.load_adapter``):
+    then the source must cover every adapter parameter and need not cover the base model."""
     # Checked now, while the user is still in configure_model, so that a wrong path or model fails before any
     # sharding; planned again after sharding, when get_peft_model may have renamed and added parameters.
     opened = open_source(source)
-    plan = check_pretrained(module, opened, strict=strict)
+    plan = check_pretrained(module, opened, strict=strict, adapters_only=adapters_only)
     if any(p.is_meta for p in module.parameters()):
         if not materialized_later():
             raise CheckpointError(
@@ -69,29 +76,43 @@ def load_pretrained(module: nn.Module, source: PretrainedSource, *, strict: bool
                 " later: load_pretrained defers loads only in `configure_model` under FSDP2Strategy (with"
                 " meta_init=True). Build the model for real to load at once."
             )
-        module.__dict__.setdefault(_PENDING, []).append(_PendingLoad(source, strict))
+        module.__dict__.setdefault(_PENDING, []).append(_PendingLoad(source, strict, adapters_only))
         return
     run_plan(module, opened, plan)
     module.__dict__[LOADED] = True
 
 
-def check_pretrained(module: nn.Module, source: TensorSource, *, strict: bool, warn: bool = True) -> LoadPlan:
-    """Plan loading ``source`` into ``module`` by canonical (peft-agnostic) names; raise or warn on misfits."""
-    adapters = adapter_names(module)
-    targets = [canonical_name(n, adapters) for n, _ in module.named_parameters(remove_duplicate=False)]
-    strip_source, strip_target = align_prefixes((canonical_name(k, adapters) for k in source.keys()), targets)
+def check_pretrained(
+    module: nn.Module, source: TensorSource, *, strict: bool, warn: bool = True, adapters_only: bool = False
+) -> LoadPlan:
+    """Plan loading ``source`` into ``module`` by canonical (peft-agnostic) names; raise or warn on misfits.
+
+    Required: every parameter but peft's adapters (a base model's weights), or with ``adapters_only`` every adapter
+    parameter and nothing else (saved adapters)."""
+    names = adapter_names(module)
+    targets = [canonical_name(n, names) for n, _ in module.named_parameters(remove_duplicate=False)]
+    strip_source, strip_target = align_prefixes((canonical_name(k, names) for k in source.keys()), targets)
 
     def rename_source(name: str) -> str:
-        name = canonical_name(name, adapters)
+        name = canonical_name(name, names)
         return name[len(strip_source) :] if strip_source and name.startswith(strip_source) else name
 
     def rename_target(name: str) -> str:
-        name = canonical_name(name, adapters)
+        name = canonical_name(name, names)
         return name[len(strip_target) :] if strip_target and name.startswith(strip_target) else name
 
     plan = plan_load(module, source, rename_source=rename_source, rename_target=rename_target)
-    fresh = adapter_tensors(module) | {n for n, _ in module.named_buffers()}
-    missing = [n for n in plan.missing if n not in fresh]
+    adapter_params = adapter_tensors(module)
+    if adapters_only:
+        missing = [n for n in plan.missing if n in adapter_params]
+        if not adapter_params:
+            raise CheckpointError(
+                f"{type(module).__name__} has no peft adapters to load saved adapters into. Wrap it with"
+                " `get_peft_model(model, LoraConfig.from_pretrained(adapter_dir))` first."
+            )
+    else:
+        fresh = adapter_params | {name for name, _ in module.named_buffers()}  # keep their init when not in source
+        missing = [n for n in plan.missing if n not in fresh]
     problems = []
     if plan.mismatched:
         problems.append("shapes differ: " + "; ".join(plan.mismatched))
@@ -137,7 +158,8 @@ def pending_pretrained(root: nn.Module) -> PendingPretrained:
         for pending in sub.__dict__.get(_PENDING, []):
             source = open_source(pending.source)
             # Unexpected keys were warned about when load_pretrained was called; once is enough.
-            loads.append((prefix, source, check_pretrained(sub, source, strict=pending.strict, warn=False)))
+            plan = check_pretrained(sub, source, strict=pending.strict, warn=False, adapters_only=pending.adapters_only)
+            loads.append((prefix, source, plan))
     return PendingPretrained(loads)
 
 

@@ -1,0 +1,190 @@
+"""LoRA adapters in and out of a sharded model: peft's adapter format, a merged Hugging Face model, a callback.
+
+Under FSDP2 every rank holds a slice of each adapter matrix, so peft's own ``save_pretrained`` called on a rank
+would write that rank's slice. Here the adapters are gathered whole to rank 0 first (one tensor at a time, see
+``checkpoint.gather_to_rank0``), and then peft writes them, in its own format, under its own names: the result
+loads with ``PeftModel.from_pretrained(base, directory)`` anywhere.
+
+- :func:`save_adapter`: ``adapter_model.safetensors`` + ``adapter_config.json``, the adapters only.
+- :func:`save_merged`: the base model with the adapters merged in (peft's ``merge_and_unload``), as a Hugging Face
+  model directory for ``AutoModelForCausalLM.from_pretrained``.
+- :func:`load_adapter`: start a fine-tune from saved adapters (deferred like ``load_pretrained``).
+- :class:`AdapterExport`: a Lightning callback that saves the adapters every N steps and at the end.
+
+All writes go to a temporary directory beside the target, renamed into place when complete.
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+import uuid
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch import Callback, LightningModule, Trainer
+from torch import nn
+
+from lightning_fsdp2.checkpoint.files import on_rank0, replace
+from lightning_fsdp2.checkpoint.plan import loadable_tensors
+from lightning_fsdp2.checkpoint.pretrained import declare_load
+from lightning_fsdp2.checkpoint.shards import gather_to_rank0
+from lightning_fsdp2.checkpoint.sources import PretrainedSource
+
+__all__ = ["AdapterExport", "find_peft_model", "load_adapter", "save_adapter", "save_merged"]
+
+
+def find_peft_model(module: nn.Module) -> Any:
+    """The (outermost) ``peft.PeftModel`` in ``module``, e.g. the ``LightningModule``'s ``self.model``."""
+    from peft import PeftModel
+
+    for sub in module.modules():
+        if isinstance(sub, PeftModel):
+            return sub
+    raise ValueError(
+        f"{type(module).__name__} holds no peft model. Wrap the model with `peft.get_peft_model(model, LoraConfig(...))`"
+        " in configure_model."
+    )
+
+
+def save_adapter(module: nn.Module, directory: str | os.PathLike, *, adapter_name: str = "default") -> Path:
+    """Write the peft adapter ``adapter_name`` of ``module`` in peft's format; call on every rank.
+
+    Each adapter tensor is gathered whole to rank 0 (the other ranks send their slices and keep nothing), and
+    rank 0 writes ``adapter_model.safetensors`` and ``adapter_config.json`` with peft's ``save_pretrained``.
+    """
+    from peft.utils import get_peft_model_state_dict
+
+    peft_model = find_peft_model(module)
+    sharded = peft_model.state_dict()  # FSDP2: each rank's shards, clean names, no communication
+    # peft picks the tensors that belong to the adapter (and renames them); gather exactly those.
+    chosen = {id(v) for v in get_peft_model_state_dict(peft_model, state_dict=sharded, adapter_name=adapter_name).values()}
+    adapter = gather_to_rank0({name: t for name, t in sharded.items() if id(t) in chosen})
+    directory = Path(directory)
+
+    def write(tmp: Path) -> None:
+        peft_model.save_pretrained(str(tmp), state_dict=adapter, selected_adapters=[adapter_name])
+        if adapter_name != "default":  # peft puts a non-default adapter in a subdirectory of that name
+            for file in (tmp / adapter_name).iterdir():
+                file.rename(tmp / file.name)
+            (tmp / adapter_name).rmdir()
+
+    _write_directory(directory, write, "write the adapter")
+    return directory
+
+
+def save_merged(
+    module: nn.Module,
+    directory: str | os.PathLike,
+    *,
+    adapter_name: str = "default",
+    dtype: torch.dtype | None = None,
+    max_shard_size: str = "5GB",
+) -> Path:
+    """Write the base model with the adapter merged into its weights, as a Hugging Face model directory.
+
+    Call on every rank. The whole model is gathered to rank 0's CPU memory one tensor at a time; rank 0 rebuilds the
+    peft model around those tensors (no copy), lets peft merge (``merge_and_unload``) and writes it with
+    ``save_pretrained``, so ``AutoModelForCausalLM.from_pretrained(directory)`` loads it without peft. ``dtype``
+    converts the weights (default: as trained).
+    """
+    peft_model = find_peft_model(module)
+    sharded = peft_model.state_dict()
+    # Tied weights (embedding and head) are sent once and stay one tensor.
+    same_as = {a: names[0] for names in loadable_tensors(peft_model).values() for a in names[1:] if a in sharded}
+    full = gather_to_rank0(sharded, same_as={k: v for k, v in same_as.items() if v in sharded})
+    base = peft_model.get_base_model()
+    config = copy.deepcopy(peft_model.peft_config[adapter_name])
+    directory = Path(directory)
+
+    def write(tmp: Path) -> None:
+        from peft import get_peft_model
+
+        with torch.device("meta"):  # the structure only: the gathered tensors are assigned below
+            rebuilt = get_peft_model(type(base)(base.config), config, adapter_name=adapter_name)
+        rebuilt.load_state_dict(full, assign=True)
+        merged = rebuilt.merge_and_unload()
+        if dtype is not None:
+            merged = merged.to(dtype)
+        merged.save_pretrained(str(tmp), max_shard_size=max_shard_size)
+
+    _write_directory(directory, write, "write the merged model")
+    return directory
+
+
+def load_adapter(module: nn.Module, source: PretrainedSource, *, strict: bool = True) -> None:
+    """Start from saved peft adapters: declare that ``module``'s adapter weights come from ``source``.
+
+    ``source`` is what :func:`save_adapter` (or peft's ``save_pretrained``) wrote, or its
+    ``adapter_model.safetensors``. Call it in ``configure_model`` after ``get_peft_model`` (with the saved
+    ``LoraConfig.from_pretrained(source)``); like ``load_pretrained`` it is deferred on ``meta`` and each rank reads
+    only its slices. Every adapter parameter must be in ``source``; the base model's weights are not needed (load
+    them with ``load_pretrained``).
+    """
+    declare_load(module, source, strict=strict, adapters_only=True)
+
+
+def _write_directory(directory: Path, write: Any, what: str) -> None:
+    """Run ``write(tmp)`` on rank 0 into a temporary directory beside ``directory``, then swap it into place."""
+    token = [uuid.uuid4().hex[:8]]
+    if dist.is_initialized():
+        dist.broadcast_object_list(token, src=0)
+    tmp = directory.with_name(f".{directory.name}.tmp-{token[0]}")
+
+    def run() -> None:
+        import shutil
+
+        directory.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            tmp.mkdir()
+            write(tmp)
+            replace(tmp, directory)
+        finally:
+            if tmp.exists():
+                shutil.rmtree(tmp)
+
+    on_rank0(run, f"{what} to {directory}")
+
+
+class AdapterExport(Callback):
+    """Save the peft adapters in peft's format during and after training.
+
+    Writes ``dirpath/step=<N>`` every ``every_n_train_steps`` optimizer steps (if set) and ``dirpath/final`` when
+    training ends (if ``at_end``); each loads with ``PeftModel.from_pretrained(base, path)``.
+
+    Args:
+        dirpath: where the adapter directories go.
+        every_n_train_steps: save every N optimizer steps; ``None`` for only at the end.
+        at_end: save ``final`` when ``fit`` ends.
+        adapter_name: which peft adapter to save.
+    """
+
+    def __init__(
+        self,
+        dirpath: str | os.PathLike,
+        every_n_train_steps: int | None = None,
+        at_end: bool = True,
+        adapter_name: str = "default",
+    ) -> None:
+        if every_n_train_steps is not None and every_n_train_steps < 1:
+            raise ValueError(f"every_n_train_steps must be a positive integer or None, got {every_n_train_steps}.")
+        self.dirpath = Path(dirpath)
+        self.every_n_train_steps = every_n_train_steps
+        self.at_end = at_end
+        self.adapter_name = adapter_name
+        self.saved: list[Path] = []
+        self._last_step = -1
+
+    def on_train_batch_end(self, trainer: Trainer, pl_module: LightningModule, *args: Any) -> None:
+        """Save every ``every_n_train_steps`` optimizer steps (once per step, also with gradient accumulation)."""
+        step = trainer.global_step
+        if self.every_n_train_steps and step and step % self.every_n_train_steps == 0 and step != self._last_step:
+            self._last_step = step
+            self.saved.append(save_adapter(pl_module, self.dirpath / f"step={step}", adapter_name=self.adapter_name))
+
+    def on_train_end(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Save ``final``."""
+        if self.at_end:
+            self.saved.append(save_adapter(pl_module, self.dirpath / "final", adapter_name=self.adapter_name))

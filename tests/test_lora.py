@@ -1,0 +1,97 @@
+"""LoRA adapters out of and into the sharded model: peft's format, a merged Hugging Face model, starting from saved
+adapters. Each compared with the trained sharded model's own logits."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+from torch.utils.data import DataLoader
+
+from lightning_fsdp2 import FSDP2Strategy, load_pretrained
+from lightning_fsdp2.lora import AdapterExport, load_adapter, save_merged
+from tests.helpers import run_distributed
+from tests.models import ResumeModule, TokenDataset, quiet_trainer_kwargs, tiny_llama_config
+
+
+def _logits(model: torch.nn.Module) -> torch.Tensor:
+    with torch.no_grad():
+        return model(input_ids=TokenDataset(4).data).logits.float()
+
+
+def _train_and_export(pretrained: str, out: str) -> dict:
+    """Two LoRA steps at world size 2 with the adapters exported every step and at the end, then a merged export."""
+    module = ResumeModule(pretrained, lora=True)
+    module.lr = 3e-2  # large enough that the adapters move visibly in two steps
+    export = AdapterExport(Path(out) / "adapters", every_n_train_steps=1)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=FSDP2Strategy(), max_epochs=1, limit_val_batches=0,
+        num_sanity_val_steps=0, callbacks=[export], **quiet_trainer_kwargs(),
+    )
+    trainer.fit(module)
+    save_merged(module, Path(out) / "merged")
+    return {"logits": _logits(module.model), "saved": [p.name for p in export.saved]}
+
+
+class FromAdapter(L.LightningModule):
+    """Starts from a pretrained base and saved adapters; records logits in validation."""
+
+    def __init__(self, pretrained: str, adapter: str) -> None:
+        super().__init__()
+        self.pretrained, self.adapter = pretrained, adapter
+        self.model = None
+        self.logits: list[torch.Tensor] = []
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from peft import LoraConfig, get_peft_model
+        from transformers import LlamaForCausalLM
+
+        base = LlamaForCausalLM(tiny_llama_config())
+        load_pretrained(base, self.pretrained)
+        self.model = get_peft_model(base, LoraConfig.from_pretrained(self.adapter))
+        load_adapter(self.model, self.adapter)
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.logits.append(self.model(input_ids=batch).logits.detach().float())
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TokenDataset(4), batch_size=4)
+
+
+def _start_from_adapter(pretrained: str, adapter: str) -> torch.Tensor:
+    module = FromAdapter(pretrained, adapter)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), **quiet_trainer_kwargs())
+    trainer.validate(module, verbose=False)
+    return module.logits[0]
+
+
+@pytest.mark.slow
+def test_exported_adapters_and_merged_model_give_the_trained_logits(pretrained: Path, tmp_path: Path) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    trained = run_distributed(_train_and_export, 2, str(pretrained), str(tmp_path))
+    assert trained[0]["saved"] == trained[1]["saved"] == ["step=1", "step=2", "final"]
+    expected = trained[0]["logits"]
+    assert torch.allclose(trained[1]["logits"], expected)
+
+    final = tmp_path / "adapters" / "final"
+    assert {p.name for p in final.iterdir()} >= {"adapter_model.safetensors", "adapter_config.json"}
+    base_logits = _logits(AutoModelForCausalLM.from_pretrained(pretrained))
+    assert (base_logits - expected).abs().max() > 1e-3, "the adapters were trained"
+
+    # The whole adapter, not rank 0's slice: loads into the base in one process with peft and gives the same logits.
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pretrained), final)
+    assert torch.allclose(_logits(with_adapter), expected, atol=1e-5)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert not any("lora" in name for name, _ in merged.named_parameters())
+    assert torch.allclose(_logits(merged), expected, atol=1e-4)
+
+    # A fine-tune started from the saved adapters (sharded again) has them.
+    restarted = run_distributed(_start_from_adapter, 2, str(pretrained), str(final))
+    for logits in restarted:
+        assert torch.allclose(logits, expected, atol=1e-5)
