@@ -26,3 +26,10 @@ def test_example_runs_under_lightnings_launchers(start_method: str, tmp_path: Pa
     assert "validation loss:" in proc.stdout
     before, after = map(float, (tmp_path / "val_loss.txt").read_text().split())
     assert after < before  # two steps at lr 3e-3 already help
+    # The outputs it prints: peft adapters, the merged model, the loss curve.
+    for name in ("adapter/final/adapter_model.safetensors", "adapter/final/adapter_config.json",
+                 "merged/config.json", "merged/model.safetensors", "loss.png"):
+        assert (tmp_path / name).is_file(), name
+        assert str(tmp_path / name.split("/")[0]) in proc.stdout, name
+    assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert (tmp_path / "outputs" / "tiny-llama" / "config.json").is_file()  # the default base, made locally
