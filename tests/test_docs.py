@@ -1,0 +1,177 @@
+"""The documentation stays true to the code: the generated API reference is current, relative links and anchors
+in README.md and docs/*.md resolve, and every ``FSDP2Strategy`` option has its section in docs/strategy-options.md.
+Fast: nothing here starts processes."""
+
+from __future__ import annotations
+
+import importlib.util
+import inspect
+import re
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+
+# Lightning's own strategy arguments, documented together rather than one heading each.
+LIGHTNING_STANDARD = {"accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+
+
+def _load_gen_api() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("_docs_gen_api", DOCS / "gen_api.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def test_api_reference_is_current() -> None:
+    expected = _load_gen_api().render()
+    path = DOCS / "api.md"
+    assert path.exists(), "docs/api.md is missing: run `python docs/gen_api.py` to generate it."
+    current = path.read_text(encoding="utf-8")
+    assert current == expected, "docs/api.md is out of date with the docstrings: run `python docs/gen_api.py`."
+
+
+# ------------------------------------------------------------------------------------------------ links
+_FENCE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+_LINK = re.compile(
+    r"!?\[(?:[^\[\]]|\[[^\[\]]*\])*\]"  # [text], one level of nested brackets allowed; ! for images
+    r"\(\s*(<[^>]*>|[^)\s]+)(?:\s+(?:\"[^\"]*\"|'[^']*'|\([^)]*\)))?\s*\)"  # (target "optional title")
+)
+_CODE_SPAN = re.compile(r"(`+)(.+?)\1", re.DOTALL)
+_HEADING = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.*?)(?:[ \t]+#+)?[ \t]*$")
+_HTML_ANCHOR = re.compile(r"<a\s[^>]*?(?:name|id)\s*=\s*[\"']([^\"']+)[\"']", re.IGNORECASE)
+
+
+def _markdown_files() -> list[Path]:
+    return [ROOT / "README.md", *sorted(DOCS.glob("*.md"))]
+
+
+def _prose_lines(text: str) -> list[tuple[int, str]]:
+    """``(line number, line)`` outside fenced code blocks, code spans blanked out."""
+    lines: list[tuple[int, str]] = []
+    fence: str | None = None
+    for number, line in enumerate(text.splitlines(), start=1):
+        match = _FENCE.match(line)
+        if fence is None and match:
+            fence = match.group(1)
+            continue
+        if fence is not None:
+            if match and match.group(1)[0] == fence[0] and len(match.group(1)) >= len(fence):
+                if not line.strip()[len(match.group(1)) :].strip():
+                    fence = None
+            continue
+        lines.append((number, line))
+    return lines
+
+
+def _strip_code_spans(text: str) -> str:
+    return _CODE_SPAN.sub(lambda m: " " * len(m.group(0)), text)
+
+
+def slug(heading: str) -> str:
+    """GitHub's anchor for a heading: lowercase, stripped, only alphanumerics, spaces, hyphens and underscores
+    kept, spaces turned into hyphens."""
+    text = re.sub(r"[^\w\- ]", "", heading.strip().lower())
+    return text.replace(" ", "-")
+
+
+def _heading_text(raw: str) -> str:
+    """The heading as GitHub renders it for the slug: links become their text, images vanish."""
+    raw = re.sub(r"!\[[^\]]*\]\([^)]*\)", "", raw)
+    return re.sub(r"\[([^\]]*)\]\([^)]*\)", r"\1", raw)
+
+
+def anchors(path: Path) -> set[str]:
+    """Every anchor a Markdown file offers: heading slugs (with GitHub's ``-1``, ``-2`` for repeats) and HTML ids."""
+    found: set[str] = set()
+    counts: dict[str, int] = {}
+    text = path.read_text(encoding="utf-8")
+    for _, line in _prose_lines(text):
+        match = _HEADING.match(line)
+        if match:
+            base = slug(_heading_text(match.group(2)))
+            n = counts.get(base, 0)
+            counts[base] = n + 1
+            found.add(base if n == 0 else f"{base}-{n}")
+    found.update(_HTML_ANCHOR.findall(text))
+    return found
+
+
+def links(path: Path) -> list[tuple[int, str]]:
+    """``(line number, target)`` of every Markdown link (and image) outside code."""
+    found = []
+    prose = _prose_lines(path.read_text(encoding="utf-8"))
+    for number, line in prose:
+        for match in _LINK.finditer(_strip_code_spans(line)):
+            found.append((number, match.group(1).strip("<>")))
+    return found
+
+
+def _is_external(target: str) -> bool:
+    return re.match(r"^(https?:|mailto:|ftp:|//)", target, re.IGNORECASE) is not None
+
+
+def test_relative_links_resolve() -> None:
+    from urllib.parse import unquote
+
+    failures: list[str] = []
+    anchor_cache: dict[Path, set[str]] = {}
+    for source in _markdown_files():
+        if not source.exists():
+            continue
+        where = source.relative_to(ROOT)
+        for number, target in links(source):
+            if _is_external(target):
+                continue
+            file_part, _, anchor = target.partition("#")
+            if file_part:
+                base = ROOT if file_part.startswith("/") else source.parent
+                resolved = (base / unquote(file_part).lstrip("/")).resolve()
+                if not resolved.exists():
+                    failures.append(f"{where}:{number}: ({target}): {file_part} does not exist")
+                    continue
+            else:
+                resolved = source.resolve()
+            if anchor and resolved.suffix.lower() == ".md" and resolved.is_file():
+                if resolved not in anchor_cache:
+                    anchor_cache[resolved] = anchors(resolved)
+                if unquote(anchor).lower() not in anchor_cache[resolved]:
+                    target_name = resolved.relative_to(ROOT) if resolved.is_relative_to(ROOT) else resolved
+                    failures.append(
+                        f"{where}:{number}: ({target}): no heading in {target_name} has the anchor #{anchor}"
+                    )
+    assert not failures, f"{len(failures)} broken link(s):\n" + "\n".join(failures)
+
+
+# ------------------------------------------------------------------------------------------------ strategy options
+def test_every_public_strategy_option_is_documented() -> None:
+    from lightning_fsdp2 import FSDP2Strategy
+
+    options = [name for name in inspect.signature(FSDP2Strategy.__init__).parameters if name != "self"]
+    options = [name for name in options if name not in LIGHTNING_STANDARD]
+    assert options, "FSDP2Strategy.__init__ has no options of its own?"
+    text = (DOCS / "strategy-options.md").read_text(encoding="utf-8")
+    headings = {
+        match.group(1)
+        for _, line in _prose_lines(text)
+        if (match := re.match(r"^##[ \t]+`([^`]+)`[ \t]*$", line))
+    }
+    missing = [name for name in options if name not in headings]
+    assert not missing, "docs/strategy-options.md has no '## `name`' section for: " + ", ".join(missing)
+
+
+@pytest.mark.parametrize(
+    ("heading", "expected"),
+    [
+        ("`lightning_fsdp2.lora`", "lightning_fsdp2lora"),
+        ("  Strategy options ", "strategy-options"),
+        ("What `meta_init=False` does!", "what-meta_initfalse-does"),
+        ("A -- B", "a----b"),
+    ],
+)
+def test_slug(heading: str, expected: str) -> None:
+    assert slug(heading) == expected
