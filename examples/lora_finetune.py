@@ -23,7 +23,9 @@ from __future__ import annotations
 import argparse
 import math
 import os
+import shutil
 import time
+import uuid
 from pathlib import Path
 
 import lightning as L
@@ -37,9 +39,12 @@ from lightning_fsdp2.lora import AdapterExport, load_adapter, save_merged
 # ------------------------------------------------------------------------------------------------ data
 def corpus_text(limit: int = 400_000) -> str:
     """A few standard-library modules' source: real English-and-code text that ships with Python."""
-    import argparse as a, collections as c, json as j, textwrap as t  # noqa: E401 - just to locate their files
+    import collections
+    import json.decoder
+    import textwrap
 
-    return "".join(Path(m.__file__).read_text() for m in (a, t, j.decoder, c))[:limit]  # type: ignore[arg-type]
+    modules = (argparse, textwrap, json.decoder, collections)
+    return "".join(Path(m.__file__).read_text() for m in modules)[:limit]  # type: ignore[arg-type]
 
 
 def tokenize(text: str, model_dir: Path, vocab_size: int) -> torch.Tensor:
@@ -68,15 +73,13 @@ class ChunkDataset(Dataset):
 
 
 def tiny_llama(path: Path) -> Path:
-    """A small random Llama (4 layers, hidden 128, byte vocabulary), written once by global rank 0."""
+    """A small random Llama (4 layers, hidden 128, byte vocabulary), written on the first run.
+
+    Any process may be first (a launcher, torchrun or SLURM task, on any machine): each writes a private copy (the
+    same bytes: the seed is fixed) and renames it into place; whoever loses the race drops its copy.
+    """
     if (path / "config.json").exists():
         return path
-    if int(os.environ.get("RANK", os.environ.get("LOCAL_RANK", "0"))) != 0:  # e.g. torchrun: wait for rank 0
-        for _ in range(600):
-            if (path / "config.json").exists():
-                return path
-            time.sleep(0.2)
-        raise SystemExit(f"rank 0 did not create {path}")
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
@@ -84,9 +87,14 @@ def tiny_llama(path: Path) -> Path:
         vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
         num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
     )
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
+    tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     LlamaForCausalLM(config).save_pretrained(tmp)
-    os.replace(tmp, path)  # all at once: a process that sees config.json sees the weights
+    try:
+        os.replace(tmp, path)  # all at once: a process that sees config.json sees the weights
+    except OSError:
+        if not (path / "config.json").exists():
+            raise
+        shutil.rmtree(tmp)  # another process was first
     return path
 
 
@@ -198,7 +206,7 @@ def main() -> None:
     parser.add_argument("--model", help="Hugging Face model directory (default: a tiny Llama made locally)")
     parser.add_argument("--adapter", help="start from peft adapters saved earlier (a directory)")
     parser.add_argument("--accelerator", default="cpu")
-    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--devices", default="2", help="as Trainer(devices=...): a number, 'auto', or a list '0,1'")
     parser.add_argument("--num-nodes", type=int, default=1)
     parser.add_argument("--precision", default="bf16-true", help="bf16-true (default), bf16-mixed, 32-true, ...")
     parser.add_argument("--max-steps", type=int, default=60)
@@ -230,7 +238,7 @@ def main() -> None:
     )
     trainer = L.Trainer(
         accelerator=args.accelerator,
-        devices=args.devices,
+        devices=int(args.devices) if args.devices.isdigit() else args.devices,
         num_nodes=args.num_nodes,
         strategy=strategy,
         precision=args.precision,

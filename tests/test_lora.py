@@ -95,3 +95,35 @@ def test_exported_adapters_and_merged_model_give_the_trained_logits(pretrained: 
     restarted = run_distributed(_start_from_adapter, 2, str(pretrained), str(final))
     for logits in restarted:
         assert torch.allclose(logits, expected, atol=1e-5)
+
+
+def test_merged_and_adapter_exports_pick_one_adapter_keep_ties_and_leave_the_model_alone(tmp_path: Path) -> None:
+    """In one process (no FSDP): a tied-embedding model with two adapters. Exporting the second one merges and saves
+    only it, the tie survives, and the live model is not changed by the merge."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    from lightning_fsdp2.lora import save_adapter
+
+    torch.manual_seed(0)
+    base = LlamaForCausalLM(tiny_llama_config(tie_word_embeddings=True))
+    base.save_pretrained(tmp_path / "base")
+    model = get_peft_model(base, LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    model.add_adapter("other", LoraConfig(r=2, target_modules=["q_proj", "k_proj"]))
+    for name, p in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p, std=0.2)
+    model.set_adapter("other")
+    expected = _logits(model)
+    state_before = {k: v.clone() for k, v in model.state_dict().items()}
+
+    save_merged(model, tmp_path / "merged", adapter_name="other")
+    save_adapter(model, tmp_path / "adapter", adapter_name="other")
+
+    assert all(torch.equal(v, state_before[k]) for k, v in model.state_dict().items()), "the live model was changed"
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert merged.lm_head.weight is merged.model.embed_tokens.weight
+    assert torch.allclose(_logits(merged), expected, atol=1e-5)
+    assert {p.name for p in (tmp_path / "adapter").iterdir()} >= {"adapter_model.safetensors", "adapter_config.json"}
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
+    assert torch.allclose(_logits(reloaded), expected, atol=1e-5)

@@ -18,12 +18,13 @@ from __future__ import annotations
 
 import copy
 import os
+import shutil
 import uuid
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
@@ -60,8 +61,15 @@ def save_adapter(module: nn.Module, directory: str | os.PathLike, *, adapter_nam
     peft_model = find_peft_model(module)
     sharded = peft_model.state_dict()  # FSDP2: each rank's shards, clean names, no communication
     # peft picks the tensors that belong to the adapter (and renames them); gather exactly those.
-    chosen = {id(v) for v in get_peft_model_state_dict(peft_model, state_dict=sharded, adapter_name=adapter_name).values()}
-    adapter = gather_to_rank0({name: t for name, t in sharded.items() if id(t) in chosen})
+    picked = get_peft_model_state_dict(peft_model, state_dict=sharded, adapter_name=adapter_name)
+    chosen = {id(v) for v in picked.values()}
+    to_gather = {name: t for name, t in sharded.items() if id(t) in chosen}
+    if len(to_gather) != len(picked):
+        raise NotImplementedError(
+            f"peft computes {len(picked) - len(to_gather)} of adapter {adapter_name!r}'s tensors instead of taking them"
+            " from the model; save_adapter can only gather tensors the model holds."
+        )
+    adapter = gather_to_rank0(to_gather)
     directory = Path(directory)
 
     def write(tmp: Path) -> None:
@@ -91,21 +99,27 @@ def save_merged(
     converts the weights (default: as trained).
     """
     peft_model = find_peft_model(module)
+    if adapter_name not in peft_model.peft_config:
+        raise ValueError(f"The model has no adapter {adapter_name!r}; it has {sorted(peft_model.peft_config)}.")
     sharded = peft_model.state_dict()
     # Tied weights (embedding and head) are sent once and stay one tensor.
     same_as = {a: names[0] for names in loadable_tensors(peft_model).values() for a in names[1:] if a in sharded}
     full = gather_to_rank0(sharded, same_as={k: v for k, v in same_as.items() if v in sharded})
     base = peft_model.get_base_model()
-    config = copy.deepcopy(peft_model.peft_config[adapter_name])
+    configs = copy.deepcopy(dict(peft_model.peft_config))
     directory = Path(directory)
 
     def write(tmp: Path) -> None:
         from peft import get_peft_model
 
-        with torch.device("meta"):  # the structure only: the gathered tensors are assigned below
-            rebuilt = get_peft_model(type(base)(base.config), config, adapter_name=adapter_name)
+        # The same structure (every adapter, so the names match), on meta: the gathered tensors are assigned below.
+        (first, first_config), *rest = configs.items()
+        with torch.device("meta"):
+            rebuilt = get_peft_model(type(base)(base.config), first_config, adapter_name=first)
+            for name, config in rest:
+                rebuilt.add_adapter(name, config)
         rebuilt.load_state_dict(full, assign=True)
-        merged = rebuilt.merge_and_unload()
+        merged = rebuilt.merge_and_unload(adapter_names=[adapter_name])  # the other adapters are dropped
         if dtype is not None:
             merged = merged.to(dtype)
         merged.save_pretrained(str(tmp), max_shard_size=max_shard_size)
@@ -126,16 +140,11 @@ def load_adapter(module: nn.Module, source: PretrainedSource, *, strict: bool = 
     declare_load(module, source, strict=strict, adapters_only=True)
 
 
-def _write_directory(directory: Path, write: Any, what: str) -> None:
+def _write_directory(directory: Path, write: Callable[[Path], None], what: str) -> None:
     """Run ``write(tmp)`` on rank 0 into a temporary directory beside ``directory``, then swap it into place."""
-    token = [uuid.uuid4().hex[:8]]
-    if dist.is_initialized():
-        dist.broadcast_object_list(token, src=0)
-    tmp = directory.with_name(f".{directory.name}.tmp-{token[0]}")
 
     def run() -> None:
-        import shutil
-
+        tmp = directory.with_name(f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}")
         directory.parent.mkdir(parents=True, exist_ok=True)
         try:
             tmp.mkdir()

@@ -33,3 +33,14 @@ def test_example_runs_under_lightnings_launchers(start_method: str, tmp_path: Pa
         assert str(tmp_path / name.split("/")[0]) in proc.stdout, name
     assert (tmp_path / "loss.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert (tmp_path / "outputs" / "tiny-llama" / "config.json").is_file()  # the default base, made locally
+    # Both exports load without FSDP and agree (bf16 training: bf16 weights, hence the tolerance).
+    import torch
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    tokens = torch.arange(64).view(2, 32)
+    with torch.no_grad():
+        merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged").float()(input_ids=tokens).logits
+        base = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "tiny-llama")
+        adapted = PeftModel.from_pretrained(base, tmp_path / "adapter" / "final")(input_ids=tokens).logits
+    assert (merged - adapted).abs().max() < 0.1

@@ -106,6 +106,12 @@ def replace(new: Path, path: Path) -> None:
     one is first renamed aside (``.<name>.old-*``) and deleted only once the new one is in place; a crash between
     the two renames leaves it there, and :func:`missing_checkpoint` points at it.
     """
+    if new.is_dir():  # files written by other libraries (DCP, peft, transformers) are not fsynced by them
+        for file in sorted(new.rglob("*")):
+            if file.is_file():
+                with open(file, "rb") as f:
+                    os.fsync(f.fileno())
+        _fsync_dir(new)
     if path.is_dir() or (new.is_dir() and path.exists()):
         old = path.with_name(f".{path.name}.old-{uuid.uuid4().hex[:8]}")
         os.replace(path, old)

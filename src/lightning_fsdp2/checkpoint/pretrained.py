@@ -123,6 +123,11 @@ def check_pretrained(
             f"{len(plan.unexpected)} key(s) in the source fit nothing in the model: {listing(plan.unexpected)}"
             " (pass strict=False to ignore them)"
         )
+    if problems and adapters_only:
+        raise CheckpointError(
+            f"Cannot load saved adapters into {type(module).__name__}: " + ". ".join(problems)
+            + ". Build the LoRA configuration from the adapter directory: LoraConfig.from_pretrained(adapter_dir)."
+        )
     if problems:
         raise CheckpointError(f"Cannot load pretrained weights into {type(module).__name__}: " + ". ".join(problems))
     if plan.unexpected and warn:

@@ -89,12 +89,13 @@ def gather_to_rank0(state: Any, same_as: Mapping[str, str] | None = None) -> Any
 def _gather_tensor(tensor: Tensor, rank0: bool) -> Tensor | None:
     from torch.distributed.tensor import DTensor, Shard
 
+    # Always fresh memory: the result must never alias the live model (save_merged merges into it).
     if not isinstance(tensor, DTensor):
-        return tensor.detach().cpu() if rank0 else None
+        return tensor.detach().to("cpu", copy=True) if rank0 else None
     mesh = tensor.device_mesh
     if mesh.ndim != 1 or tuple(tensor.placements) != (Shard(0),) or tensor.ndim == 0 or tensor.shape[0] == 0:
         full = tensor.full_tensor()  # a layout FSDP2 does not make by default: the general (all-gather) path
-        return full.cpu() if rank0 else None
+        return full.to("cpu", copy=True) if rank0 else None
     group, world = mesh.get_group(), mesh.size()
     rows = tensor.shape[0]
     chunk = math.ceil(rows / world)
