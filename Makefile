@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test demo clean
+.PHONY: test demo bench clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -21,6 +21,14 @@ test: $(STAMP)
 
 demo: $(STAMP)
 	$(PY) examples/lora_finetune.py
+
+# Benchmarks (about 25 minutes on 2 CPU cores): results in benchmarks/results/, tables in docs/performance.md.
+bench: $(STAMP)
+	$(PY) benchmarks/throughput.py --repeats 3
+	$(PY) benchmarks/throughput.py --scaling --repeats 2
+	$(PY) benchmarks/load_pretrained.py --size large --repeats 3
+	$(PY) benchmarks/save.py --sizes small medium large --repeats 3
+	$(PY) benchmarks/report.py
 
 clean:
 	rm -rf $(VENV) outputs lightning_logs .pytest_cache

@@ -1,0 +1,91 @@
+"""Collect the latest benchmark results into ``docs/performance.md`` and plots in ``benchmarks/results/``.
+
+    python benchmarks/report.py      # run by `make bench` after the benchmarks
+
+Reads ``benchmarks/results/*.json`` and ``*.md`` (written by throughput.py, load_pretrained.py and save.py); sections
+whose results are missing say so.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+RESULTS = ROOT / "benchmarks" / "results"
+
+SECTIONS = [
+    ("Training throughput", "throughput", "LoRA fine-tuning at world size 2 against Lightning's ModelParallelStrategy "
+     "(hand-written per-layer fully_shard), DDP, FSDP1 and the compute bound."),
+    ("Scaling", "scaling", "FSDP2Strategy at world sizes 1, 2 and 4."),
+    ("Start-up: loading a pretrained model", "load_pretrained-large", "load_pretrained on meta against an eager build "
+     "plus whole-state-dict load then sharding, and against reading the rank's share of the bytes."),
+    ("Saving", "save", "Full and sharded checkpoints as the model grows."),
+]
+
+
+def plots() -> list[str]:
+    """Bar chart of throughput and a scaling line, as PNGs next to the results; returns their names."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    made = []
+    throughput = RESULTS / "throughput.json"
+    if throughput.exists():
+        rows = json.loads(throughput.read_text())["rows"]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.bar(list(rows), [r["tokens_per_s"] for r in rows.values()], color="C0")
+        ax.set_ylabel("tokens/s")
+        ax.set_title("LoRA fine-tuning, world size 2")
+        fig.tight_layout()
+        fig.savefig(RESULTS / "throughput.png", dpi=100)
+        plt.close(fig)
+        made.append("throughput.png")
+    scaling = RESULTS / "scaling.json"
+    if scaling.exists():
+        rows = json.loads(scaling.read_text())["rows"]
+        worlds = [r["world_size"] for r in rows.values()]
+        fig, ax = plt.subplots(figsize=(6, 3.5))
+        ax.plot(worlds, [r["tokens_per_s"] for r in rows.values()], marker="o", label="tokens/s")
+        ax.set_xlabel("processes")
+        ax.set_ylabel("tokens/s")
+        ax2 = ax.twinx()
+        ax2.plot(worlds, [max(r["peak_mb_per_rank"]) for r in rows.values()], marker="s", color="C1", label="MB/rank")
+        ax2.set_ylabel("peak MB per rank")
+        ax.set_title("FSDP2Strategy scaling")
+        fig.tight_layout()
+        fig.savefig(RESULTS / "scaling.png", dpi=100)
+        plt.close(fig)
+        made.append("scaling.png")
+    return made
+
+
+def main() -> None:
+    made = plots()
+    lines = [
+        "# Performance",
+        "",
+        "Benchmarks, not tests: every table comes from one run of `make bench` on the machine named below, with the",
+        "contenders alternating and repeated, and ratios taken within that run. Reproduce with `make bench` (CPU; on",
+        "CUDA when at least 4 GPUs are present) or each script's own command, given under its table. Raw numbers:",
+        "`benchmarks/results/*.json`.",
+        "",
+    ]
+    notes = ROOT / "benchmarks" / "NOTES.md"
+    if notes.exists():
+        lines += [notes.read_text().strip(), ""]
+    for title, stem, what in SECTIONS:
+        lines += [f"## {title}", "", what, ""]
+        md = RESULTS / f"{stem}.md"
+        lines += [md.read_text().strip() if md.exists() else f"(no results yet: `{stem}.md` is missing)", ""]
+        png = f"{stem}.png"
+        if png in made:
+            lines += [f"![{title}](../benchmarks/results/{png})", ""]
+    (ROOT / "docs" / "performance.md").write_text("\n".join(lines))
+    print(f"wrote {ROOT / 'docs' / 'performance.md'}")
+
+
+if __name__ == "__main__":
+    main()

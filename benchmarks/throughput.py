@@ -1,0 +1,216 @@
+"""Training throughput and memory of LoRA fine-tuning: FSDP2Strategy against its peers, measured side by side.
+
+One Llama-style model (about 58M parameters; LoRA r=8 on q/k/v/o), sequence length 256, the same per-process batch
+and the same LightningModule for every contender, all at world size 2 on CPU/gloo (one thread per process):
+
+- ``fsdp2``: ``FSDP2Strategy()``; ``fsdp2_keep``: ``FSDP2Strategy(reshard_after_forward=False)`` (parameters kept
+  gathered from forward to backward: one all-gather per step instead of two);
+- ``model_parallel``: Lightning's ``ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)`` with a
+  hand-written per-decoder-layer ``fully_shard`` in ``configure_model`` (what its docs show);
+- ``ddp``: Lightning's ``DDPStrategy``;
+- ``fsdp1``: PyTorch FSDP1 (``FullyShardedDataParallel``) through Lightning's ``FSDPStrategy`` with per-layer
+  wrapping (``use_orig_params=True`` for the frozen base); CUDA only (torch refuses FSDP1 on CPU), so it is
+  skipped on CPU;
+- ``compute_bound``: one process with the same per-process batch and no communication, times the world size.
+
+Runs alternate between contenders and repeat; medians and ratios come from the same run. Tokens/s counts the
+tokens of all processes over the timed steps (after warm-up). Peak memory is each rank's ``VmHWM`` above what it
+held when ``fit`` started.
+
+    python benchmarks/throughput.py                 # world size 2, 3 repeats
+    python benchmarks/throughput.py --scaling       # FSDP2Strategy at world sizes 1, 2 and 4
+
+Writes ``benchmarks/results/throughput.{md,json}`` (or ``scaling.{md,json}``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from tests.helpers import run_distributed  # noqa: E402
+
+CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
+              num_key_value_heads=8, max_position_embeddings=512, tie_word_embeddings=False)
+SEQ, BATCH, WARMUP, TIMED = 256, 2, 2, 6
+
+
+def _status_kb(field: str) -> int:
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith(field + ":"):
+            return int(line.split()[1])
+    raise KeyError(field)
+
+
+class LoRALlama(L.LightningModule):
+    """The same module for every contender; ``shard`` applies ModelParallelStrategy's hand-written fully_shard."""
+
+    def __init__(self, shard: bool = False) -> None:
+        super().__init__()
+        self.shard = shard
+        self.model = None
+        self.times: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from peft import LoraConfig, get_peft_model
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+        model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+        if self.shard:  # the ModelParallelStrategy way: the user shards each layer, then the root
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in model.base_model.model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        self.model = model
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def on_train_batch_end(self, *args) -> None:
+        self.times.append(time.perf_counter())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
+
+    def train_dataloader(self) -> DataLoader:
+        data = torch.randint(0, CONFIG["vocab_size"], ((WARMUP + TIMED) * BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+        return DataLoader(data, batch_size=BATCH)
+
+
+def _strategy(name: str):
+    if name in ("fsdp2", "fsdp2_keep"):
+        from lightning_fsdp2 import FSDP2Strategy
+
+        return FSDP2Strategy(reshard_after_forward=name == "fsdp2")
+    if name == "model_parallel":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
+    if name == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy()
+    if name == "fsdp1":
+        from lightning.pytorch.strategies import FSDPStrategy
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        class CPUFSDPStrategy(FSDPStrategy):  # Lightning checks `type(strategy) is FSDPStrategy` to refuse CPU
+            pass
+
+        return CPUFSDPStrategy(auto_wrap_policy={LlamaDecoderLayer}, use_orig_params=True)
+    return "auto"
+
+
+def _train(name: str, world: int, accelerator: str) -> dict:
+    module = LoRALlama(shard=(name == "model_parallel"))
+    start_kb = _status_kb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")
+    trainer = L.Trainer(
+        accelerator=accelerator, devices=world, strategy=_strategy(name), precision="32-true", max_steps=WARMUP + TIMED,
+        logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        use_distributed_sampler=name != "compute_bound",
+    )
+    trainer.fit(module)
+    timed = module.times[WARMUP - 1 :]
+    seconds = timed[-1] - timed[0]
+    tokens = TIMED * BATCH * SEQ * world
+    return {"tokens_per_s": tokens / seconds, "peak_mb": (_status_kb("VmHWM") - start_kb) / 1024}
+
+
+def measure(names: list[str], worlds: dict[str, int], repeats: int, accelerator: str) -> dict[str, dict]:
+    runs: dict[str, list[list[dict]]] = {n: [] for n in names}
+    for repeat in range(repeats):
+        for name in names if repeat % 2 == 0 else list(reversed(names)):  # alternate the order
+            result = run_distributed(_train, worlds[name], name, worlds[name], accelerator, timeout=1800)
+            runs[name].append(result)
+            print(f"repeat {repeat}: {name} x{worlds[name]}: {result[0]['tokens_per_s']:.0f} tokens/s", flush=True)
+    summary = {}
+    for name, per_run in runs.items():
+        tps = statistics.median(r[0]["tokens_per_s"] for r in per_run)
+        peaks = [statistics.median(r[rank]["peak_mb"] for r in per_run) for rank in range(worlds[name])]
+        summary[name] = {"tokens_per_s": tps, "peak_mb_per_rank": peaks, "world_size": worlds[name]}
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--scaling", action="store_true", help="FSDP2Strategy at world sizes 1, 2 and 4 instead")
+    parser.add_argument("--only", nargs="*", help="contenders to run (default: all)")
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--accelerator", default="cuda" if torch.cuda.device_count() >= 4 else "cpu")
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    n_params = _count_parameters()
+
+    if args.scaling:
+        names = ["fsdp2@1", "fsdp2@2", "fsdp2@4"]
+        runs = {}
+        for name in names:
+            world = int(name.split("@")[1])
+            runs[name] = measure(["fsdp2"], {"fsdp2": world}, args.repeats, args.accelerator)["fsdp2"]
+        lines = [f"FSDP2Strategy scaling, LoRA Llama {n_params / 1e6:.0f}M, seq {SEQ}, batch {BATCH} per process, CPU/gloo,"
+                 f" 1 thread per process, median of {args.repeats}.", "",
+                 "| world size | tokens/s | peak RSS per rank (MB) |", "|---:|---:|---:|"]
+        for name, row in runs.items():
+            lines.append(f"| {row['world_size']} | {row['tokens_per_s']:.0f} | "
+                         + " / ".join(f"{p:.0f}" for p in row["peak_mb_per_rank"]) + " |")
+        _write(out / "scaling", runs, lines, f"python benchmarks/throughput.py --scaling --repeats {args.repeats}")
+        return
+
+    names = args.only or ["fsdp2", "fsdp2_keep", "model_parallel", "ddp", "fsdp1", "compute_bound"]
+    skipped = []
+    if args.accelerator == "cpu" and "fsdp1" in names:
+        names.remove("fsdp1")  # torch: "FSDP needs a non-CPU accelerator device"
+        skipped.append("fsdp1 (PyTorch refuses FSDP1 on CPU: run on CUDA)")
+    worlds = {n: (1 if n == "compute_bound" else 2) for n in names}
+    rows = measure(names, worlds, args.repeats, args.accelerator)
+    if "compute_bound" in rows:
+        rows["compute_bound"]["tokens_per_s"] *= 2  # one process's throughput times the world size
+    base = rows.get("fsdp2", {}).get("tokens_per_s")
+    lines = [f"LoRA fine-tuning throughput at world size 2, Llama {n_params / 1e6:.0f}M parameters (LoRA r=8 on q/k/v/o),"
+             f" seq {SEQ}, batch {BATCH} per process, fp32, {args.accelerator}, 1 thread per process, median of"
+             f" {args.repeats}. compute_bound = one process's tokens/s x 2.", "",
+             "| contender | tokens/s | FSDP2Strategy / contender | peak RSS per rank (MB) |", "|---|---:|---:|---:|"]
+    for name, row in rows.items():
+        ratio = f"{base / row['tokens_per_s']:.2f}x" if base else "-"
+        peaks = " / ".join(f"{p:.0f}" for p in row["peak_mb_per_rank"])
+        lines.append(f"| {name} | {row['tokens_per_s']:.0f} | {ratio} | {peaks} |")
+    lines += [f"\nNot measured: {s}." for s in skipped]
+    _write(out / "throughput", rows, lines, f"python benchmarks/throughput.py --repeats {args.repeats}")
+
+
+def _count_parameters() -> int:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        return sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**CONFIG)).parameters())
+
+
+def _write(stem: Path, rows: dict, lines: list[str], command: str) -> None:
+    lines += ["", f"Command: `{command}`"]
+    stem.with_suffix(".json").write_text(json.dumps({"rows": rows, "command": command}, indent=2) + "\n")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
