@@ -90,7 +90,9 @@ class LoRALlama(L.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
 
     def train_dataloader(self) -> DataLoader:
-        data = torch.randint(0, CONFIG["vocab_size"], ((WARMUP + TIMED) * BATCH, SEQ), generator=torch.Generator().manual_seed(0))
+        # Enough samples for every process to take all its steps in one epoch (no epoch boundary in the timing).
+        n = (WARMUP + TIMED) * BATCH * max(self.trainer.world_size, 1)
+        data = torch.randint(0, CONFIG["vocab_size"], (n, SEQ), generator=torch.Generator().manual_seed(0))
         return DataLoader(data, batch_size=BATCH)
 
 
