@@ -67,7 +67,7 @@ def main() -> None:
     lines = [
         "# Performance",
         "",
-        "Benchmarks, not tests: every table comes from one run of `make bench` on the machine named below, with the",
+        "Benchmarks, not tests: every table comes from one run of `make bench` on the machine described below, with the",
         "contenders alternating and repeated, and ratios taken within that run. Reproduce with `make bench` (CPU; on",
         "CUDA when at least 4 GPUs are present) or each script's own command, given under its table. Raw numbers:",
         "`benchmarks/results/*.json`.",
