@@ -1,7 +1,7 @@
 """Meta-device construction, and giving each rank's shard real storage and values afterwards.
 
 Three words, kept apart (see ``shared/STYLE.md``): *materialize* = allocate real storage for meta tensors;
-*initialize* = give them values by the model's own rules; *load* = values from a checkpoint (``checkpoint.py``).
+*initialize* = give them values by the model's own rules; *load* = values from a checkpoint (``checkpoint/``).
 
 Why meta at all: a model built eagerly occupies its full size on every rank before sharding can cut it down. Built on
 ``meta`` it costs nothing; after ``fully_shard`` each parameter is a ``DTensor`` whose local piece is this rank's

@@ -7,10 +7,10 @@ This module only orchestrates. The model's road through ``setup`` is, in order (
 3. activation checkpointing on the chosen modules (``wrap.py``), before any FSDP hook exists;
 4. ``fully_shard`` bottom-up, then the root (``wrap.py``);
 5. each rank materializes its own shards, loads the slices of pretrained weights that ``load_pretrained``
-   declared (``checkpoint.py``), initializes the rest, then checks nothing was left unset (``init.py``);
+   declared (``checkpoint/pretrained.py``), initializes the rest, then checks nothing was left unset (``init.py``);
 6. the optimizer is created over the sharded ``DTensor`` parameters (Lightning's ``setup_optimizers``).
 
-Checkpoints are saved and loaded by the functions in ``checkpoint.py``, in the format ``state_dict_type`` names.
+Checkpoints are saved and loaded by ``checkpoint/formats.py``, in the format ``state_dict_type`` names.
 """
 
 from __future__ import annotations
