@@ -34,23 +34,19 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
+
+from load_pretrained import _status_kb  # noqa: E402
 
 from tests.helpers import run_distributed  # noqa: E402
 
 CONFIG = dict(vocab_size=32000, hidden_size=512, intermediate_size=1408, num_hidden_layers=8, num_attention_heads=8,
               num_key_value_heads=8, max_position_embeddings=512, tie_word_embeddings=False)
 SEQ, BATCH, WARMUP, TIMED = 256, 2, 2, 6
-
-
-def _status_kb(field: str) -> int:
-    for line in Path("/proc/self/status").read_text().splitlines():
-        if line.startswith(field + ":"):
-            return int(line.split()[1])
-    raise KeyError(field)
 
 
 class LoRALlama(L.LightningModule):

@@ -119,6 +119,12 @@ class LlamaModule(L.LightningModule):
         return DataLoader(TokenDataset(8, seed=1), batch_size=self.batch_size)
 
 
+def probe_logits(model: nn.Module) -> torch.Tensor:
+    """A causal LM's logits (fp32) on a fixed batch, to compare models without training them."""
+    with torch.no_grad():
+        return model(input_ids=TokenDataset(4).data).logits.float()
+
+
 def load_full_state(module: nn.Module, state: dict[str, torch.Tensor]) -> None:
     """Load a full (unsharded) state dict into a plain or FSDP2-sharded module."""
     from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict

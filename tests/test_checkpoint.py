@@ -13,12 +13,7 @@ from torch.utils.data import DataLoader
 from lightning_fsdp2 import CheckpointError, FSDP2Strategy, load_pretrained
 from lightning_fsdp2.checkpoint import check_sharded_files
 from tests.helpers import run_distributed
-from tests.models import TokenDataset, quiet_trainer_kwargs, save_tiny_pretrained, tiny_llama_config
-
-
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=TokenDataset(4).data).logits.float()
+from tests.models import TokenDataset, probe_logits, quiet_trainer_kwargs, save_tiny_pretrained, tiny_llama_config
 
 
 # =========================================================================== load_pretrained
@@ -101,11 +96,11 @@ def test_load_pretrained_gives_the_logits_of_from_pretrained(pretrained: Path, t
     }
     results = run_distributed(_probe, 2, cases)
     expected = {
-        "sharded-safetensors, before peft": _logits(reference),
-        "sharded-safetensors, after peft": _logits(reference),
-        "pytorch_model.bin": _logits(reference),
-        "peft model weights": _logits(peft_model),
-        "bf16-true, tied": _logits(tied_reference),
+        "sharded-safetensors, before peft": probe_logits(reference),
+        "sharded-safetensors, after peft": probe_logits(reference),
+        "pytorch_model.bin": probe_logits(reference),
+        "peft model weights": probe_logits(peft_model),
+        "bf16-true, tied": probe_logits(tied_reference),
     }
     assert (expected["peft model weights"] - expected["pytorch_model.bin"]).abs().max() > 1e-3  # adapters matter
     for name, want in expected.items():
@@ -123,7 +118,7 @@ def test_load_pretrained_loads_at_once_on_a_real_model(pretrained: Path) -> None
 
     model = LlamaForCausalLM(tiny_llama_config())
     load_pretrained(model, pretrained)
-    assert torch.equal(_logits(model), _logits(AutoModelForCausalLM.from_pretrained(pretrained)))
+    assert torch.equal(probe_logits(model), probe_logits(AutoModelForCausalLM.from_pretrained(pretrained)))
 
 
 def test_load_pretrained_names_what_does_not_fit(pretrained: Path, tmp_path: Path) -> None:
@@ -177,7 +172,7 @@ def test_load_pretrained_matches_prefixes_and_keeps_buffers_it_lacks(pretrained:
     model = LlamaForCausalLM(tiny_llama_config())
     model.register_buffer("calibration", torch.full((3,), 7.0))  # persistent, in no checkpoint
     load_pretrained(model, lightning_names)
-    assert torch.equal(_logits(model), _logits(reference))
+    assert torch.equal(probe_logits(model), probe_logits(reference))
     assert torch.equal(model.calibration, torch.full((3,), 7.0))
 
 

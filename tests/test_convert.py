@@ -9,12 +9,7 @@ from pathlib import Path
 import torch
 
 from lightning_fsdp2.convert import sharded_to_full, to_hf_safetensors
-from tests.models import TokenDataset, tiny_llama_config
-
-
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=TokenDataset(4).data).logits.float()
+from tests.models import probe_logits, tiny_llama_config
 
 
 def test_sharded_checkpoint_converts_to_full_and_to_hugging_face(pretrained: Path, saved: dict, tmp_path: Path) -> None:
@@ -38,6 +33,6 @@ def test_sharded_checkpoint_converts_to_full_and_to_hugging_face(pretrained: Pat
     subprocess.run([sys.executable, *command, str(pretrained)], check=True, capture_output=True)
     expected = LlamaForCausalLM(tiny_llama_config())
     expected.load_state_dict({k.removeprefix("model."): v for k, v in full["state_dict"].items()})
-    assert torch.allclose(_logits(AutoModelForCausalLM.from_pretrained(hf_dir)), _logits(expected), atol=1e-5)
+    assert torch.allclose(probe_logits(AutoModelForCausalLM.from_pretrained(hf_dir)), probe_logits(expected), atol=1e-5)
     from_full = to_hf_safetensors(saved["full"], tmp_path / "hf-from-full", prefix="model.", config_from=pretrained)
-    assert torch.allclose(_logits(AutoModelForCausalLM.from_pretrained(from_full)), _logits(expected), atol=1e-5)
+    assert torch.allclose(probe_logits(AutoModelForCausalLM.from_pretrained(from_full)), probe_logits(expected), atol=1e-5)

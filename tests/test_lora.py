@@ -13,12 +13,7 @@ from torch.utils.data import DataLoader
 from lightning_fsdp2 import FSDP2Strategy, load_pretrained
 from lightning_fsdp2.lora import AdapterExport, load_adapter, save_merged
 from tests.helpers import run_distributed
-from tests.models import ResumeModule, TokenDataset, quiet_trainer_kwargs, tiny_llama_config
-
-
-def _logits(model: torch.nn.Module) -> torch.Tensor:
-    with torch.no_grad():
-        return model(input_ids=TokenDataset(4).data).logits.float()
+from tests.models import ResumeModule, TokenDataset, probe_logits, quiet_trainer_kwargs, tiny_llama_config
 
 
 def _train_and_export(pretrained: str, out: str) -> dict:
@@ -32,7 +27,7 @@ def _train_and_export(pretrained: str, out: str) -> dict:
     )
     trainer.fit(module)
     save_merged(module, Path(out) / "merged")
-    return {"logits": _logits(module.model), "saved": [p.name for p in export.saved]}
+    return {"logits": probe_logits(module.model), "saved": [p.name for p in export.saved]}
 
 
 class FromAdapter(L.LightningModule):
@@ -70,7 +65,7 @@ def _start_from_adapter(pretrained: str, adapter: str) -> torch.Tensor:
 
 
 @pytest.mark.slow
-def test_exported_adapters_and_merged_model_give_the_trained_logits(pretrained: Path, tmp_path: Path) -> None:
+def test_exported_adapters_and_merged_model_give_the_trainedprobe_logits(pretrained: Path, tmp_path: Path) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -81,15 +76,15 @@ def test_exported_adapters_and_merged_model_give_the_trained_logits(pretrained: 
 
     final = tmp_path / "adapters" / "final"
     assert {p.name for p in final.iterdir()} >= {"adapter_model.safetensors", "adapter_config.json"}
-    base_logits = _logits(AutoModelForCausalLM.from_pretrained(pretrained))
+    base_logits = probe_logits(AutoModelForCausalLM.from_pretrained(pretrained))
     assert (base_logits - expected).abs().max() > 1e-3, "the adapters were trained"
 
     # The whole adapter, not rank 0's slice: loads into the base in one process with peft and gives the same logits.
     with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pretrained), final)
-    assert torch.allclose(_logits(with_adapter), expected, atol=1e-5)
+    assert torch.allclose(probe_logits(with_adapter), expected, atol=1e-5)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert not any("lora" in name for name, _ in merged.named_parameters())
-    assert torch.allclose(_logits(merged), expected, atol=1e-4)
+    assert torch.allclose(probe_logits(merged), expected, atol=1e-4)
 
     # A fine-tune started from the saved adapters (sharded again) has them.
     restarted = run_distributed(_start_from_adapter, 2, str(pretrained), str(final))
@@ -114,7 +109,7 @@ def test_merged_and_adapter_exports_pick_one_adapter_keep_ties_and_leave_the_mod
         if "lora_B" in name:
             torch.nn.init.normal_(p, std=0.2)
     model.set_adapter("other")
-    expected = _logits(model)
+    expected = probe_logits(model)
     state_before = {k: v.clone() for k, v in model.state_dict().items()}
 
     save_merged(model, tmp_path / "merged", adapter_name="other")
@@ -123,7 +118,7 @@ def test_merged_and_adapter_exports_pick_one_adapter_keep_ties_and_leave_the_mod
     assert all(torch.equal(v, state_before[k]) for k, v in model.state_dict().items()), "the live model was changed"
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert merged.lm_head.weight is merged.model.embed_tokens.weight
-    assert torch.allclose(_logits(merged), expected, atol=1e-5)
+    assert torch.allclose(probe_logits(merged), expected, atol=1e-5)
     assert {p.name for p in (tmp_path / "adapter").iterdir()} >= {"adapter_model.safetensors", "adapter_config.json"}
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
-    assert torch.allclose(_logits(reloaded), expected, atol=1e-5)
+    assert torch.allclose(probe_logits(reloaded), expected, atol=1e-5)

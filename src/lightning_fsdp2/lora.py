@@ -29,7 +29,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
 from lightning_fsdp2.checkpoint.files import on_rank0, replace
-from lightning_fsdp2.checkpoint.plan import loadable_tensors
+from lightning_fsdp2.checkpoint.plan import tied_aliases
 from lightning_fsdp2.checkpoint.pretrained import declare_load
 from lightning_fsdp2.checkpoint.shards import gather_to_rank0
 from lightning_fsdp2.checkpoint.sources import PretrainedSource
@@ -103,8 +103,7 @@ def save_merged(
         raise ValueError(f"The model has no adapter {adapter_name!r}; it has {sorted(peft_model.peft_config)}.")
     sharded = peft_model.state_dict()
     # Tied weights (embedding and head) are sent once and stay one tensor.
-    same_as = {a: names[0] for names in loadable_tensors(peft_model).values() for a in names[1:] if a in sharded}
-    full = gather_to_rank0(sharded, same_as={k: v for k, v in same_as.items() if v in sharded})
+    full = gather_to_rank0(sharded, same_as=tied_aliases(peft_model, sharded))
     base = peft_model.get_base_model()
     configs = copy.deepcopy(dict(peft_model.peft_config))
     directory = Path(directory)

@@ -28,7 +28,7 @@ from lightning_fsdp2.checkpoint.files import (
     on_rank0,
     replace,
 )
-from lightning_fsdp2.checkpoint.plan import listing, loadable_tensors, plan_load, run_plan
+from lightning_fsdp2.checkpoint.plan import listing, plan_load, run_plan, tied_aliases
 from lightning_fsdp2.checkpoint.pretrained import has_pretrained
 from lightning_fsdp2.checkpoint.shards import gather_to_rank0, local_slice
 from lightning_fsdp2.checkpoint.sources import StateDictSource
@@ -52,8 +52,7 @@ def model_state(module: nn.Module, *, sharded: bool, trainable_only: bool) -> di
     state = get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=trainable_only))
     if sharded:
         return state
-    same_as = {alias: names[0] for names in loadable_tensors(module).values() for alias in names[1:] if alias in state}
-    return gather_to_rank0(state, same_as={k: v for k, v in same_as.items() if v in state})
+    return gather_to_rank0(state, same_as=tied_aliases(module, state))
 
 
 def optimizer_state(module: nn.Module, optimizer: Optimizer, *, sharded: bool) -> dict[str, Any]:

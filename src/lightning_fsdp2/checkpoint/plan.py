@@ -116,6 +116,18 @@ def loadable_tensors(module: nn.Module) -> dict[str, list[str]]:
     return {names[0]: names for names in aliases.values()}
 
 
+def tied_aliases(module: nn.Module, state: dict) -> dict[str, str]:
+    """For the keys of ``state`` that are a second name of a tied weight, the key of its first name (also in
+    ``state``): what ``gather_to_rank0(..., same_as=...)`` needs to send a tied weight once."""
+    return {
+        alias: names[0]
+        for names in loadable_tensors(module).values()
+        if names[0] in state
+        for alias in names[1:]
+        if alias in state
+    }
+
+
 def plan_load(
     module: nn.Module,
     source: TensorSource,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import warnings
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -93,15 +94,14 @@ def check_pretrained(
     targets = [canonical_name(n, names) for n, _ in module.named_parameters(remove_duplicate=False)]
     strip_source, strip_target = align_prefixes((canonical_name(k, names) for k in source.keys()), targets)
 
-    def rename_source(name: str) -> str:
-        name = canonical_name(name, names)
-        return name[len(strip_source) :] if strip_source and name.startswith(strip_source) else name
+    def renamer(prefix: str) -> Callable[[str], str]:
+        def rename(name: str) -> str:
+            name = canonical_name(name, names)
+            return name[len(prefix) :] if prefix and name.startswith(prefix) else name
 
-    def rename_target(name: str) -> str:
-        name = canonical_name(name, names)
-        return name[len(strip_target) :] if strip_target and name.startswith(strip_target) else name
+        return rename
 
-    plan = plan_load(module, source, rename_source=rename_source, rename_target=rename_target)
+    plan = plan_load(module, source, rename_source=renamer(strip_source), rename_target=renamer(strip_target))
     adapter_params = adapter_tensors(module)
     if adapters_only:
         missing = [n for n in plan.missing if n in adapter_params]
