@@ -232,11 +232,14 @@ def _measure_load_and_save(source: str, config: dict, save_to: str) -> dict:
 
 
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
-def test_memory_per_rank_while_loading_and_saving(tmp_path: Path) -> None:
-    """68 MB of fp32 weights at world size 2. Loading: each rank's peak is its 34 MB shard plus about one tensor's
-    slice, under one whole copy of the model (an eager build needs two). Saving a full checkpoint: rank 0 holds what
-    it writes plus about one tensor, rank 1 about one tensor."""
-    config = dict(vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=4, max_position_embeddings=64)
+@pytest.mark.parametrize("layers", [4, 12])
+def test_memory_per_rank_while_loading_and_saving(layers: int, tmp_path: Path) -> None:
+    """68 MB (4 layers) and 152 MB (12 layers) of fp32 weights at world size 2. Loading: each rank's peak is its shard
+    plus about one tensor's slice, under one whole copy of the model (an eager build needs two). Saving a full
+    checkpoint: rank 0 holds about one tensor (the file is streamed), whatever the model size; rank 1 about nothing."""
+    config = dict(
+        vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=layers, max_position_embeddings=64
+    )
     from transformers import LlamaForCausalLM
 
     model = LlamaForCausalLM(tiny_llama_config(**config))
@@ -251,8 +254,10 @@ def test_memory_per_rank_while_loading_and_saving(tmp_path: Path) -> None:
               f" model {total_kb / 1024:.1f} MB, largest tensor {largest_kb / 1024:.1f} MB")
         assert result["load_kb"] <= total_kb // 2 + largest_kb + slack_kb, (rank, result)
         assert result["load_kb"] < total_kb, "a rank held as much as the whole model while loading"
-    assert results[0]["save_kb"] <= total_kb + largest_kb + slack_kb, results[0]
-    assert results[1]["save_kb"] <= largest_kb + slack_kb, results[1]
+    assert results[0]["save_kb"] <= largest_kb + slack_kb, f"rank 0 held more than one tensor while saving: {results[0]}"
+    assert results[1]["save_kb"] <= slack_kb, results[1]
+    saved = torch.load(tmp_path / "full.ckpt", weights_only=True, mmap=True)["state_dict"]
+    assert sum(t.numel() * t.element_size() for t in saved.values()) // 1024 == total_kb, "the whole model is in the file"
 
 
 # =========================================================================== the primitives, on uneven shards
@@ -319,3 +324,114 @@ def test_truncated_sharded_index_is_named(saved: dict, tmp_path: Path) -> None:
     (broken / ".metadata").write_bytes((broken / ".metadata").read_bytes()[:20])
     with pytest.raises(CheckpointError, match=r"broken\.ckpt/\.metadata"):
         check_sharded_files(broken)
+
+
+class _TouchOnUnpickle:
+    """A pickle that creates `marker` when it is unpickled: what a malicious checkpoint would do, harmlessly."""
+
+    def __init__(self, marker: Path) -> None:
+        self.marker = marker
+
+    def __reduce__(self):
+        return (Path.touch, (self.marker,))
+
+
+def _evil_copy(saved: dict, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the sharded checkpoint whose `.metadata` would create a marker file if unpickled."""
+    import pickle
+    import shutil
+
+    evil, marker = tmp_path / "evil.ckpt", tmp_path / "MARKER"
+    shutil.copytree(saved["sharded"], evil)
+    payload = pickle.dumps(_TouchOnUnpickle(marker))
+    pickle.loads(payload)  # the payload works: plain unpickling runs it
+    assert marker.exists()
+    marker.unlink()
+    (evil / ".metadata").write_bytes(payload)
+    return evil, marker
+
+
+def test_crafted_sharded_index_is_refused(saved: dict, tmp_path: Path, capsys: pytest.CaptureFixture) -> None:
+    """A `.metadata` that would run code when unpickled is refused, naming the file and the global, on every path
+    that reads it: the checks before a load, the safe DCP reader, the converter and its command line."""
+    import re
+
+    from lightning_fsdp2.checkpoint import safe_dcp
+    from lightning_fsdp2.convert import main, read_full_checkpoint
+
+    evil, marker = _evil_copy(saved, tmp_path)
+    refused = r"evil\.ckpt/\.metadata refers to `pathlib\.Path\.touch`.*may be malicious"
+    with pytest.raises(CheckpointError, match=refused):
+        check_sharded_files(evil)
+    with pytest.raises(CheckpointError, match=refused):
+        safe_dcp.load({"state_dict": {}}, evil)  # DCP's own load path, past our checks
+    with pytest.raises(CheckpointError, match=refused):
+        read_full_checkpoint(evil)
+    with pytest.raises(SystemExit) as exited:
+        main([str(evil), str(tmp_path / "out.ckpt")])
+    assert exited.value.code == 1 and re.search(refused, capsys.readouterr().err)
+    assert not marker.exists() and not (tmp_path / "out.ckpt").exists()
+    assert read_full_checkpoint(saved["sharded"])["state_dict"]  # a real one still reads
+
+
+def test_crafted_sharded_item_is_refused(tmp_path: Path) -> None:
+    """A non-tensor item that would run code is read with `weights_only=True` (torch's planner would run it)."""
+    import torch.distributed.checkpoint as dcp
+
+    from lightning_fsdp2.checkpoint import safe_dcp
+    from lightning_fsdp2.convert import read_full_checkpoint
+
+    evil, marker = tmp_path / "evil.ckpt", tmp_path / "MARKER"
+    dcp.save({"state_dict": {"w": torch.ones(2)}, "x": _TouchOnUnpickle(marker)}, checkpoint_id=evil, no_dist=True)
+    torch.save({"epoch": 0}, evil / "meta.pt")
+    dcp.load({"state_dict": {"w": torch.zeros(2)}, "x": None}, checkpoint_id=evil, no_dist=True)
+    assert marker.exists()  # torch's own planner runs the payload
+    marker.unlink()
+
+    with pytest.raises(CheckpointError, match=r"'x' in .*evil\.ckpt holds objects .*weights_only=True"):
+        safe_dcp.load({"state_dict": {"w": torch.zeros(2)}, "x": None}, evil)
+    with pytest.raises(CheckpointError, match=r"'x' in .*evil\.ckpt holds objects .*weights_only=True"):
+        read_full_checkpoint(evil)
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("where", ["../outside.distcp", "absolute"])
+def test_sharded_index_pointing_outside_is_refused(saved: dict, tmp_path: Path, where: str) -> None:
+    """An index entry naming a file outside the checkpoint directory is refused, even when that file exists."""
+    import pickle
+    import shutil
+
+    from lightning_fsdp2.checkpoint.safe_dcp import read_dcp_metadata
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(saved["sharded"], ckpt)
+    metadata = read_dcp_metadata(ckpt)
+    info = next(iter(metadata.storage_data.values()))
+    shutil.copy(ckpt / info.relative_path, tmp_path / "outside.distcp")  # so that only the path is wrong
+    info.relative_path = str(tmp_path / "outside.distcp") if where == "absolute" else where
+    (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
+    with pytest.raises(CheckpointError, match=r"ckpt/\.metadata points .* at '.*outside\.distcp'.*not a file inside"):
+        check_sharded_files(ckpt)
+
+
+@pytest.mark.parametrize("where", ["../outside.safetensors", "absolute"])
+def test_weight_index_pointing_outside_is_refused(pretrained: Path, tmp_path: Path, where: str) -> None:
+    """A `model.safetensors.index.json` entry naming a file outside the model directory is refused; a normal index
+    still opens."""
+    import json
+    import shutil
+
+    from lightning_fsdp2.checkpoint import open_source
+
+    model = tmp_path / "model"
+    shutil.copytree(pretrained, model)
+    assert open_source(model).keys()
+    index = json.loads((model / "model.safetensors.index.json").read_text())
+    key, name = next(iter(index["weight_map"].items()))
+    shutil.copy(model / name, tmp_path / "outside.safetensors")  # so that only the path is wrong
+    index["weight_map"][key] = str(tmp_path / "outside.safetensors") if where == "absolute" else where
+    (model / "model.safetensors.index.json").write_text(json.dumps(index))
+    with pytest.raises(CheckpointError, match=rf"index\.json maps '{key}' to '.*outside\.safetensors'.*not a file inside"):
+        open_source(model)
+    with pytest.raises(CheckpointError, match=r"outside\.safetensors"):
+        load_pretrained(torch.nn.Linear(1, 1), model)

@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import uuid
 from pathlib import Path
 from typing import Any
 
@@ -27,7 +26,15 @@ from lightning_fsdp2.checkpoint import (
     load_torch_file,
     optimizer_state_by_index,
     read_sharded_meta,
-    replace,
+)
+from lightning_fsdp2.checkpoint.files import (
+    CheckpointError,
+    check_export_directory,
+    check_replaceable,
+    delete,
+    stale_safetensors_weights,
+    temporary_path,
+    write_files_into,
 )
 from lightning_fsdp2.checkpoint.formats import SHARDED_PATH_KEY
 
@@ -42,16 +49,20 @@ def read_full_checkpoint(src: str | os.PathLike, weights_only: bool = True) -> d
     src = Path(src)
     if not src.is_dir():
         return load_torch_file(src, weights_only=weights_only)
-    from torch.distributed.checkpoint import FileSystemReader
-    from torch.distributed.checkpoint.format_utils import _EmptyStateDictLoadPlanner, _load_state_dict
+    from torch.distributed.checkpoint.format_utils import _load_state_dict
+
+    from lightning_fsdp2.checkpoint import safe_dcp
 
     checkpoint = read_sharded_meta(src, weights_only=weights_only)
     checkpoint.pop(SHARDED_PATH_KEY, None)
     checkpoint.pop("optimizer_states", None)  # placeholders; the states themselves follow
     tensors: dict[str, Any] = {}
     # The empty-state-dict planner loads everything the checkpoint holds, whole, into this one process. It is what
-    # torch's own `dcp_to_torch_save` does; the public `dcp.load` would not add keys to an empty dict.
-    _load_state_dict(tensors, storage_reader=FileSystemReader(src), planner=_EmptyStateDictLoadPlanner(), no_dist=True)
+    # torch's own `dcp_to_torch_save` does; the public `dcp.load` would not add keys to an empty dict. Ours read the
+    # index and the non-tensor items without unpickling code.
+    reader, planner = safe_dcp.SafeFileSystemReader(src), safe_dcp.SafeEmptyStateDictLoadPlanner(origin=str(src))
+    with safe_dcp.checkpoint_errors(reader):
+        _load_state_dict(tensors, storage_reader=reader, planner=planner, no_dist=True)
     checkpoint["state_dict"] = tensors.pop("state_dict", {})
     optimizers = sorted((k for k in tensors if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     if optimizers:
@@ -64,6 +75,7 @@ def sharded_to_full(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     """Write the sharded checkpoint ``src`` as one full Lightning checkpoint file ``dst`` (atomically)."""
     if not is_sharded_checkpoint(src):
         raise ValueError(f"{src} is not a sharded checkpoint directory (it needs '.metadata' and 'meta.pt').")
+    check_replaceable(dst)  # before the (long) read: never replace what is not a checkpoint
     atomic_save(read_full_checkpoint(src), dst)
     return Path(dst)
 
@@ -97,7 +109,8 @@ def to_hf_safetensors(
     if not weights:
         raise ValueError(f"No parameter name in {src} starts with {prefix!r}.")
     dst = Path(dst)
-    tmp = dst.with_name(f".{dst.name}.tmp-{uuid.uuid4().hex[:8]}")
+    check_export_directory(dst)
+    tmp = temporary_path(dst)
     tmp.mkdir(parents=True)
     try:
         save_torch_state_dict(weights, tmp, max_shard_size=max_shard_size)
@@ -105,10 +118,10 @@ def to_hf_safetensors(
             for file in Path(config_from).iterdir():
                 if file.is_file() and (file.name in _CONFIG_FILES or file.name.startswith("tokenizer")):
                     shutil.copy2(file, tmp / file.name)
-        replace(tmp, dst)
+        # Into the directory file by file: other files there stay; weights of an earlier export are superseded.
+        write_files_into(tmp, dst, supersedes=stale_safetensors_weights)
     finally:
-        if tmp.exists():
-            shutil.rmtree(tmp)
+        delete(tmp)
     return dst
 
 
@@ -125,12 +138,15 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--config-from", default=None, help="for --to hf: model directory to copy config.json from")
     parser.add_argument("--max-shard-size", default="5GB", help="for --to hf: largest safetensors file")
     args = parser.parse_args(argv)
-    if args.to == "full":
-        out = sharded_to_full(args.src, args.dst)
-    else:
-        out = to_hf_safetensors(
-            args.src, args.dst, prefix=args.prefix, config_from=args.config_from, max_shard_size=args.max_shard_size
-        )
+    try:
+        if args.to == "full":
+            out = sharded_to_full(args.src, args.dst)
+        else:
+            out = to_hf_safetensors(
+                args.src, args.dst, prefix=args.prefix, config_from=args.config_from, max_shard_size=args.max_shard_size
+            )
+    except (CheckpointError, FileNotFoundError, ValueError) as err:
+        parser.exit(1, f"error: {err}\n")
     print(f"wrote {out}")
 
 

@@ -11,7 +11,8 @@ loads with ``PeftModel.from_pretrained(base, directory)`` anywhere.
 - :func:`load_adapter`: start a fine-tune from saved adapters (deferred like ``load_pretrained``).
 - :class:`AdapterExport`: a Lightning callback that saves the adapters every N steps and at the end.
 
-All writes go to a temporary directory beside the target, renamed into place when complete.
+All writes go to a temporary directory beside the target; each file is then renamed into the target directory, so
+every file is either the old one or the complete new one, and files of yours already in that directory are kept.
 """
 
 from __future__ import annotations
@@ -19,7 +20,6 @@ from __future__ import annotations
 import copy
 import os
 import shutil
-import uuid
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -28,7 +28,14 @@ import torch
 from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
-from lightning_fsdp2.checkpoint.files import on_rank0, replace
+from lightning_fsdp2.checkpoint.files import (
+    check_export_directory,
+    delete,
+    on_rank0,
+    stale_safetensors_weights,
+    temporary_path,
+    write_files_into,
+)
 from lightning_fsdp2.checkpoint.plan import tied_aliases
 from lightning_fsdp2.checkpoint.pretrained import declare_load
 from lightning_fsdp2.checkpoint.shards import gather_to_rank0
@@ -59,6 +66,8 @@ def save_adapter(module: nn.Module, directory: str | os.PathLike, *, adapter_nam
     from peft.utils import get_peft_model_state_dict
 
     peft_model = find_peft_model(module)
+    directory = Path(directory)
+    on_rank0(lambda: check_export_directory(directory), f"write the adapter to {directory}")  # before any work
     sharded = peft_model.state_dict()  # FSDP2: each rank's shards, clean names, no communication
     # peft picks the tensors that belong to the adapter (and renames them); gather exactly those.
     picked = get_peft_model_state_dict(peft_model, state_dict=sharded, adapter_name=adapter_name)
@@ -70,16 +79,17 @@ def save_adapter(module: nn.Module, directory: str | os.PathLike, *, adapter_nam
             " from the model; save_adapter can only gather tensors the model holds."
         )
     adapter = gather_to_rank0(to_gather)
-    directory = Path(directory)
 
     def write(tmp: Path) -> None:
+        if (directory / "README.md").is_file():  # peft updates an existing model card rather than replacing it
+            shutil.copy2(directory / "README.md", tmp / "README.md")
         peft_model.save_pretrained(str(tmp), state_dict=adapter, selected_adapters=[adapter_name])
         if adapter_name != "default":  # peft puts a non-default adapter in a subdirectory of that name
             for file in (tmp / adapter_name).iterdir():
                 file.rename(tmp / file.name)
             (tmp / adapter_name).rmdir()
 
-    _write_directory(directory, write, "write the adapter")
+    _write_directory(directory, write, "write the adapter", supersedes=None)
     return directory
 
 
@@ -101,12 +111,13 @@ def save_merged(
     peft_model = find_peft_model(module)
     if adapter_name not in peft_model.peft_config:
         raise ValueError(f"The model has no adapter {adapter_name!r}; it has {sorted(peft_model.peft_config)}.")
+    directory = Path(directory)
+    on_rank0(lambda: check_export_directory(directory), f"write the merged model to {directory}")  # before any work
     sharded = peft_model.state_dict()
     # Tied weights (embedding and head) are sent once and stay one tensor.
     full = gather_to_rank0(sharded, same_as=tied_aliases(peft_model, sharded))
     base = peft_model.get_base_model()
     configs = copy.deepcopy(dict(peft_model.peft_config))
-    directory = Path(directory)
 
     def write(tmp: Path) -> None:
         from peft import get_peft_model
@@ -123,7 +134,7 @@ def save_merged(
             merged = merged.to(dtype)
         merged.save_pretrained(str(tmp), max_shard_size=max_shard_size)
 
-    _write_directory(directory, write, "write the merged model")
+    _write_directory(directory, write, "write the merged model", supersedes=stale_safetensors_weights)
     return directory
 
 
@@ -139,19 +150,22 @@ def load_adapter(module: nn.Module, source: PretrainedSource, *, strict: bool = 
     declare_load(module, source, strict=strict, adapters_only=True)
 
 
-def _write_directory(directory: Path, write: Callable[[Path], None], what: str) -> None:
-    """Run ``write(tmp)`` on rank 0 into a temporary directory beside ``directory``, then swap it into place."""
+def _write_directory(
+    directory: Path, write: Callable[[Path], None], what: str, supersedes: Callable[[str, set[str]], bool] | None
+) -> None:
+    """Run ``write(tmp)`` on rank 0 into a temporary directory beside ``directory``, then move its files into
+    ``directory`` one atomic rename each; files already there that the export does not write are left alone, except
+    the ones ``supersedes`` names (weights of an earlier export that the new ones replace)."""
 
     def run() -> None:
-        tmp = directory.with_name(f".{directory.name}.tmp-{uuid.uuid4().hex[:8]}")
+        tmp = temporary_path(directory)
         directory.parent.mkdir(parents=True, exist_ok=True)
         try:
             tmp.mkdir()
             write(tmp)
-            replace(tmp, directory)
+            write_files_into(tmp, directory, supersedes=supersedes)
         finally:
-            if tmp.exists():
-                shutil.rmtree(tmp)
+            delete(tmp)
 
     on_rank0(run, f"{what} to {directory}")
 

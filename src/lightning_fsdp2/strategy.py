@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
@@ -38,7 +38,7 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
@@ -97,6 +97,11 @@ class FSDP2Strategy(ParallelStrategy):
             are loaded by ``fit(ckpt_path=...)`` on any number of processes.
         save_trainable_only: save only parameters with ``requires_grad=True`` (and their optimizer state), e.g. the
             LoRA adapters of a frozen base. On resume the frozen base must come from ``load_pretrained`` again.
+        async_save: write sharded checkpoints in the background (``torch.distributed.checkpoint.async_save``):
+            ``save_checkpoint`` returns once the shards are copied to CPU memory, training goes on while they are
+            written, and the directory appears at its path when every rank is done. The next save (and the end of
+            ``fit``) waits for the previous one; a save after ``fit`` returned is synchronous. Needs
+            ``state_dict_type="sharded"``.
     """
 
     strategy_name = "fsdp2"
@@ -115,6 +120,7 @@ class FSDP2Strategy(ParallelStrategy):
         start_method: StartMethod = "popen",
         state_dict_type: StateDictType = "full",
         save_trainable_only: bool = False,
+        async_save: bool = False,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -142,9 +148,18 @@ class FSDP2Strategy(ParallelStrategy):
         self._timeout = timeout
         if state_dict_type not in ("full", "sharded"):
             raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}.")
+        if async_save and state_dict_type != "sharded":
+            raise ValueError(
+                "FSDP2Strategy(async_save=True) writes sharded checkpoints in the background; a full checkpoint is"
+                " gathered to rank 0 while it is written. Pass state_dict_type='sharded' as well, or drop async_save."
+            )
         self._start_method = start_method
         self._state_dict_type = state_dict_type
         self._save_trainable_only = save_trainable_only
+        self._async_save = async_save
+        self._background: ckpt.BackgroundWriter | None = None  # made in setup_environment (it makes a process group)
+        self._failed = False  # an exception ended the run: teardown must not wait for the other ranks
+        self._torn_down = False
         self._device_mesh: DeviceMesh | None = None
         self.num_nodes = 1
 
@@ -225,6 +240,8 @@ class FSDP2Strategy(ParallelStrategy):
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
         )
         self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("shard",))
+        if self._async_save and self._background is None:
+            self._background = ckpt.BackgroundWriter()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # as ModelParallelStrategy: visible in configure_model
 
@@ -247,6 +264,7 @@ class FSDP2Strategy(ParallelStrategy):
         """Shard the model built by ``configure_model``, then create the optimizers over the shards."""
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
+        self._failed = self._torn_down = False
         assert self.lightning_module is not None
         self.model = self.parallelize(self.lightning_module)
         # LightningModule.device is what users create tensors on; FSDP2 moved the storage itself.
@@ -358,8 +376,19 @@ class FSDP2Strategy(ParallelStrategy):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    def on_exception(self, exception: BaseException) -> None:
+        """After an error, teardown does not wait for a background save: the other ranks may never finish it."""
+        self._failed = True
+
     def teardown(self) -> None:
-        """Release the cluster environment, checkpoint IO, precision plugin and accelerator."""
+        """Let a background save finish; release the cluster environment, checkpoint IO, precision plugin and
+        accelerator."""
+        if self._background is not None:
+            if self._failed:
+                self._background.forget()
+            else:
+                self.wait_for_checkpoint()
+        self._torn_down = True
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
@@ -369,12 +398,13 @@ class FSDP2Strategy(ParallelStrategy):
 
     # ---------------------------------------------------------------- checkpoints (checkpoint/formats.py)
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """The model's state dict with clean names: whole tensors on rank 0 (``"full"``) or each rank's shards."""
+        """The model's state dict with clean names, as each rank's ``DTensor`` shards; a full save gathers them to
+        rank 0 while it writes the file (so rank 0 never holds the whole model)."""
         assert self.model is not None
-        return ckpt.model_state(self.model, sharded=self._sharded, trainable_only=self._save_trainable_only)
+        return ckpt.model_state(self.model, trainable_only=self._save_trainable_only)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        """The optimizer's state: index-keyed on rank 0 as a single device writes it (``"full"``), or shards."""
+        """The optimizer's state as shards: index-keyed as a single device writes it (``"full"``) or name-keyed."""
         assert self.model is not None
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
         return ckpt.optimizer_state(self.model, optimizer, sharded=self._sharded)
@@ -382,7 +412,11 @@ class FSDP2Strategy(ParallelStrategy):
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
-        """Write ``checkpoint`` atomically: one file from rank 0 (``"full"``) or a directory from all ranks."""
+        """Write ``checkpoint`` atomically: one file streamed by rank 0 (``"full"``) or a directory from all ranks
+        (``"sharded"``, in the background with ``async_save``). Every rank must call it (``trainer.save_checkpoint``
+        does): the shards come from all of them."""
+        assert self.model is not None
+        self.wait_for_checkpoint()  # one save at a time: the previous one is complete (and in place) first
         ckpt.save(
             checkpoint,
             self.broadcast(str(filepath)),  # every rank writes to rank 0's path
@@ -391,17 +425,41 @@ class FSDP2Strategy(ParallelStrategy):
             world_size=self.world_size,
             checkpoint_io=self.checkpoint_io,
             storage_options=storage_options,
+            same_as=ckpt.tied_aliases(self.model, checkpoint.get("state_dict", {})),
+            background=self._background if self._trainer_running() else None,
         )
         self.barrier()
 
+    def _trainer_running(self) -> bool:
+        # Outside fit/validate (a `trainer.save_checkpoint` after `fit` returned, or in `on_fit_end`/`teardown` hooks,
+        # which Lightning runs after the strategy's teardown) nothing would wait for a background save before the
+        # script ends: save synchronously there.
+        trainer = getattr(self.lightning_module, "_trainer", None)
+        return not self._torn_down and trainer is not None and trainer.state.status == TrainerStatus.RUNNING
+
+    def wait_for_checkpoint(self) -> None:
+        """Wait until a checkpoint being written in the background (``async_save``) is complete and in place; raise
+        on every rank if it failed. Call on every rank. Saving, loading and the end of ``fit`` call it for you."""
+        if self._background is not None:
+            self._background.wait()
+
     def remove_checkpoint(self, filepath: str | Path) -> None:
-        """Delete a checkpoint file or sharded directory (rank 0), e.g. one ``ModelCheckpoint`` no longer keeps."""
-        if self.is_global_zero:
+        """Delete a checkpoint file or sharded directory (rank 0), e.g. one ``ModelCheckpoint`` no longer keeps.
+        Anything at that path that is not a checkpoint is kept, with a warning."""
+        in_flight = self._background.path if self._background is not None else None
+        if in_flight is not None and in_flight.resolve() == Path(filepath).resolve():
+            self._background.wait_here()  # still being written: let it land first (no collective: rank 0 alone may call)
+        if not self.is_global_zero:
+            return
+        if type(self.checkpoint_io) is TorchCheckpointIO:
             ckpt.remove(filepath)
+        else:  # the user's plugin wrote it, in its own format: it knows how to remove it
+            self.checkpoint_io.remove_checkpoint(filepath)
 
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a checkpoint of either format (``weights_only=True`` unless you pass ``False``); its tensors stay
         on disk until :meth:`load_model_state_dict` and :meth:`load_optimizer_state_dict` copy them into shards."""
+        self.wait_for_checkpoint()
         path = self.broadcast(str(checkpoint_path))
         return ckpt.load(path, weights_only=weights_only, checkpoint_io=self.checkpoint_io)
 

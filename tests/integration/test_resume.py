@@ -105,51 +105,74 @@ def test_trainable_only_checkpoints_hold_the_adapters_and_resume_exactly(pretrai
     assert sharded["state_dict"].keys() == full["state_dict"].keys()
 
 
-def _train_with_model_checkpoint(pretrained: str, dirpath: str) -> list[str]:
+def _train_with_model_checkpoint(pretrained: str, dirpath: str, async_save: bool) -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from tests.models import full_state
 
     callback = ModelCheckpoint(dirpath=dirpath, every_n_train_steps=1, save_top_k=1, save_last=True)
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=FSDP2Strategy(state_dict_type="sharded"), max_epochs=1,
-        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[callback],
+        accelerator="cpu", devices=2, strategy=FSDP2Strategy(state_dict_type="sharded", async_save=async_save),
+        max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[callback],
         **{**quiet_trainer_kwargs(), "enable_checkpointing": True},
     )
     trainer.fit(ResumeModule(pretrained))
+    names = sorted(p.name for p in Path(dirpath).iterdir())
+    module = ResumeModule(pretrained)
     resumed = L.Trainer(
         accelerator="cpu", devices=2, strategy=FSDP2Strategy(), max_epochs=2, limit_val_batches=0,
         num_sanity_val_steps=0, **quiet_trainer_kwargs(),
     )
-    resumed.fit(ResumeModule(pretrained), ckpt_path=str(Path(dirpath) / "last.ckpt"))
-    return [str(resumed.global_step), *sorted(p.name for p in Path(dirpath).iterdir())]
+    resumed.fit(module, ckpt_path=str(Path(dirpath) / "last.ckpt"))
+    lr = resumed.optimizers[0].param_groups[0]["lr"]
+    return {"names": names, "step": resumed.global_step, "lr": lr, "state": full_state(module)}
 
 
-def test_model_checkpoint_keeps_and_removes_sharded_directories(pretrained: Path, tmp_path: Path) -> None:
-    """ModelCheckpoint with save_top_k=1 saves a sharded directory every step and deletes the one it replaces."""
-    step, *names = run_distributed(_train_with_model_checkpoint, 2, str(pretrained), str(tmp_path))[0]
-    assert names == ["epoch=0-step=2.ckpt", "last.ckpt"], names
-    assert all((tmp_path / n / ".metadata").is_file() for n in names)
-    assert step == "4"
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_model_checkpoint_keeps_and_removes_sharded_directories(
+    async_save: bool, pretrained: Path, straight: dict, tmp_path: Path
+) -> None:
+    """ModelCheckpoint with save_top_k=1 saves a sharded directory every step (in the background with async_save)
+    and deletes the one it replaces; resuming from last.ckpt continues exactly."""
+    result = run_distributed(_train_with_model_checkpoint, 2, str(pretrained), str(tmp_path), async_save)[0]
+    assert result["names"] == ["epoch=0-step=2.ckpt", "last.ckpt"], result["names"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == result["names"], "no .tmp-/.old- leftovers"
+    assert all((tmp_path / n / ".metadata").is_file() for n in result["names"])
+    assert_same_run(result, straight, f"ModelCheckpoint, async_save={async_save}")
 
 
 # --------------------------------------------------------------------------- safety
+class _SaveAtEpochEnd(L.Callback):
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def on_train_epoch_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+
+
 def _train_then_die_while_saving(pretrained: str, path: str, fmt: str) -> None:
     """Save a good checkpoint at `path`, train on, then get SIGKILLed in the middle of saving over it."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
 
-    fit_resumable(pretrained, 1, save_to=path, strategy={"state_dict_type": fmt})
+    strategy = {"state_dict_type": "full" if fmt == "full" else "sharded", "async_save": fmt == "async"}
+    fit_resumable(pretrained, 1, save_to=path, strategy=strategy)
     if fmt == "full":
-        real_save = torch.save
+        from lightning_fsdp2.checkpoint import stream
 
-        def save_then_die(obj, f, *args, **kwargs):
-            if hasattr(f, "write"):  # rank 0, writing the checkpoint: half of it, then the kill
-                f.write(b"PK\x03\x04 half a checkpoint")
-                f.flush()
+        real_add = stream._Writer.add
+        count = [0]
+
+        def add_then_die(self, whole):
+            real_add(self, whole)
+            count[0] += 1
+            if count[0] == 3:  # rank 0, three tensors into the file: the kill
+                self.file.flush()
                 os.kill(os.getpid(), signal.SIGKILL)
-            return real_save(obj, f, *args, **kwargs)
 
-        torch.save = save_then_die
-    else:
+        stream._Writer.add = add_then_die
+    elif fmt == "sharded":
         real_dcp_save = dcp.save
 
         def save_then_die(*args, **kwargs):
@@ -158,18 +181,36 @@ def _train_then_die_while_saving(pretrained: str, path: str, fmt: str) -> None:
             os.kill(os.getpid(), signal.SIGKILL)
 
         dcp.save = save_then_die
-    fit_resumable(pretrained, 2, save_to=path, resume_from=path, strategy={"state_dict_type": fmt})
+    else:  # async: rank 0 dies in the background writer, halfway through its shards, while training goes on
+        real_write_data = FileSystemWriter.write_data
+
+        def write_then_die(self, plan, planner):
+            if dist.get_rank() == 0:
+                os.kill(os.getpid(), signal.SIGKILL)
+            return real_write_data(self, plan, planner)
+
+        FileSystemWriter.write_data = write_then_die
+    model = ResumeModule(pretrained)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=FSDP2Strategy(**strategy), max_epochs=2, limit_val_batches=0,
+        num_sanity_val_steps=0, callbacks=[_SaveAtEpochEnd(path)], **quiet_trainer_kwargs(),
+    )
+    trainer.fit(model, ckpt_path=path)
 
 
-@pytest.mark.parametrize("fmt", ["full", "sharded"])
+@pytest.mark.parametrize("fmt", ["full", "sharded", "async"])
 def test_a_save_killed_midway_leaves_the_previous_checkpoint(fmt: str, pretrained: Path, tmp_path: Path) -> None:
     path = tmp_path / "last.ckpt"
     with pytest.raises(RuntimeError, match=f"rank 0 exited with -{int(signal.SIGKILL)}"):
         run_distributed(_train_then_die_while_saving, 2, str(pretrained), str(path), fmt, timeout=120)
     survivor = read_full_checkpoint(path)
     assert survivor["global_step"] == 2, "the checkpoint from after the first epoch is intact"
-    resumed = run_distributed(fit_resumable, 2, str(pretrained), 2, None, str(path), {"state_dict_type": fmt})[0]
+    strategy = {"state_dict_type": "full" if fmt == "full" else "sharded"}
+    resumed = run_distributed(fit_resumable, 2, str(pretrained), 2, None, str(path), strategy)[0]
     assert resumed["step"] == 4 and survivor["state_dict"].keys() <= resumed["state"].keys()
+    # The next successful save of that path cleans up what the killed one left.
+    run_distributed(fit_resumable, 2, str(pretrained), 2, str(path), str(path), strategy)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
 def _resume_expecting_error(pretrained: str, path: str, module: dict) -> str:

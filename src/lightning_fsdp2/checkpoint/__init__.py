@@ -28,6 +28,7 @@ from lightning_fsdp2.checkpoint.files import (
     META_FILENAME,
     CheckpointError,
     atomic_save,
+    check_replaceable,
     check_sharded_files,
     is_sharded_checkpoint,
     load_torch_file,
@@ -35,6 +36,7 @@ from lightning_fsdp2.checkpoint.files import (
     replace,
 )
 from lightning_fsdp2.checkpoint.formats import (
+    BackgroundWriter,
     load,
     load_full_state_dict,
     load_model,
@@ -46,12 +48,14 @@ from lightning_fsdp2.checkpoint.formats import (
     read_sharded_meta,
     save,
 )
-from lightning_fsdp2.checkpoint.plan import canonical_name
+from lightning_fsdp2.checkpoint.plan import canonical_name, tied_aliases
 from lightning_fsdp2.checkpoint.pretrained import PendingPretrained, load_pretrained, pending_pretrained
 from lightning_fsdp2.checkpoint.shards import copy_into, gather_to_rank0, local_slice
 from lightning_fsdp2.checkpoint.sources import PretrainedSource, TensorSource, open_source
+from lightning_fsdp2.checkpoint.stream import save_streamed
 
 __all__ = [
+    "BackgroundWriter",
     "FORMAT_KEY",
     "META_FILENAME",
     "CheckpointError",
@@ -60,6 +64,7 @@ __all__ = [
     "TensorSource",
     "atomic_save",
     "canonical_name",
+    "check_replaceable",
     "check_sharded_files",
     "copy_into",
     "gather_to_rank0",
@@ -81,4 +86,6 @@ __all__ = [
     "remove",
     "replace",
     "save",
+    "save_streamed",
+    "tied_aliases",
 ]

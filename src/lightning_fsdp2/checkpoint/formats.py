@@ -6,32 +6,41 @@ These are the functions ``FSDP2Strategy``'s checkpoint hooks call: :func:`save`,
 
 from __future__ import annotations
 
+import os
 import uuid
 import warnings
 from collections.abc import Callable, Mapping, Sequence
+from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.checkpoint.staging import AsyncStager
 from torch.optim import Optimizer
 
 from lightning_fsdp2.checkpoint.files import (
     FORMAT_KEY,
     META_FILENAME,
     CheckpointError,
-    atomic_save,
+    check_replaceable,
     check_sharded_files,
+    delete,
     is_local,
     load_torch_file,
     on_rank0,
+    raise_together,
     replace,
+    temporary_path,
+    write_error,
+    writing,
 )
-from lightning_fsdp2.checkpoint.plan import listing, plan_load, run_plan, tied_aliases
+from lightning_fsdp2.checkpoint.plan import listing, plan_load, run_plan
 from lightning_fsdp2.checkpoint.pretrained import has_pretrained
 from lightning_fsdp2.checkpoint.shards import gather_to_rank0, local_slice
 from lightning_fsdp2.checkpoint.sources import StateDictSource
+from lightning_fsdp2.checkpoint.stream import save_streamed
 
 # Added to a checkpoint dict when it is read (never saved): the file it came from, and for a sharded checkpoint the
 # directory its tensors are still in.
@@ -40,34 +49,26 @@ SHARDED_PATH_KEY = "_lightning_fsdp2_sharded_path"
 
 
 # =============================================================================================== what is saved
-def model_state(module: nn.Module, *, sharded: bool, trainable_only: bool) -> dict[str, Any]:
-    """The model's state dict with clean names, as a checkpoint holds it.
+def model_state(module: nn.Module, *, trainable_only: bool) -> dict[str, Any]:
+    """The model's state dict with clean names, as each rank's ``DTensor`` shards (plain tensors for what is not
+    sharded). ``trainable_only`` leaves out parameters with ``requires_grad=False``.
 
-    ``sharded=True``: each rank's ``DTensor`` shards, for ``torch.distributed.checkpoint``. ``sharded=False``: whole
-    tensors on CPU on rank 0 (empty elsewhere), gathered by :func:`gather_to_rank0`, tied weights as one tensor.
-    ``trainable_only`` leaves out parameters with ``requires_grad=False``.
+    Both formats start from this: a sharded save writes the shards as they are, a full save gathers them to rank 0
+    one tensor at a time while it writes (:func:`save`).
     """
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
-    state = get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=trainable_only))
-    if sharded:
-        return state
-    return gather_to_rank0(state, same_as=tied_aliases(module, state))
+    return get_model_state_dict(module, options=StateDictOptions(ignore_frozen_params=trainable_only))
 
 
 def optimizer_state(module: nn.Module, optimizer: Optimizer, *, sharded: bool) -> dict[str, Any]:
-    """The optimizer's state as a checkpoint holds it.
-
-    ``sharded=True``: name-keyed ``DTensor`` shards. ``sharded=False``: whole tensors on CPU on rank 0 (empty
-    elsewhere) in ``torch.optim``'s index-keyed form, the form a single-device run writes.
-    """
+    """The optimizer's state as ``DTensor`` shards: name-keyed for a sharded save (``torch.distributed.checkpoint``'s
+    form), or in ``torch.optim``'s index-keyed form for a full save, the form a single-device run writes (the shards
+    are gathered while the file is written)."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict
 
     state = get_optimizer_state_dict(module, optimizer)
-    if sharded:
-        return state
-    full = gather_to_rank0(state)
-    return optimizer_state_by_index(full) if full else {}
+    return state if sharded else optimizer_state_by_index(state)
 
 
 def optimizer_state_by_index(state: Mapping[str, Any]) -> dict[str, Any]:
@@ -106,12 +107,16 @@ def save(
     world_size: int,
     checkpoint_io: Any,
     storage_options: Any = None,
+    same_as: Mapping[str, str] | None = None,
+    background: BackgroundWriter | None = None,
 ) -> None:
-    """Write a Lightning checkpoint atomically; call on every rank.
+    """Write a Lightning checkpoint atomically; call on every rank, with the same ``path``.
 
-    ``sharded=False``: rank 0 writes one file (through the user's own ``CheckpointIO`` if one was given, or for
-    a remote path). ``sharded=True``: a directory (:func:`save_sharded`). A plain full checkpoint gets no extra
-    key, so it is exactly what a single-device run writes; the others record how they were written.
+    ``sharded=False``: one file, streamed by rank 0 as the tensors arrive (:func:`stream.save_streamed`), or through
+    the user's own ``CheckpointIO`` (or for a remote path) after gathering everything to rank 0. ``sharded=True``: a
+    directory (:func:`save_sharded`), written by ``background`` when given. ``same_as``: tied
+    ``state_dict`` keys (saved once). A plain full checkpoint gets no extra key, so it is exactly what a
+    single-device run writes; the others record how they were written.
     """
     from lightning.fabric.plugins import TorchCheckpointIO
 
@@ -128,41 +133,255 @@ def save(
                 + (" with storage_options" if storage_options is not None else "")
                 + ". Save to a local path, or use state_dict_type='full' with a CheckpointIO plugin."
             )
-        save_sharded(checkpoint, Path(path))
-    elif type(checkpoint_io) is TorchCheckpointIO and is_local(path):
-        on_rank0(lambda: atomic_save(checkpoint, path), f"write the checkpoint {path}")
-    else:  # the user's own CheckpointIO plugin, or a remote path: Lightning's writer decides
-        on_rank0(lambda: checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options), "save")
+        save_sharded(checkpoint, Path(path), background=background)
+        return
+    if type(checkpoint_io) is TorchCheckpointIO and is_local(path):
+        save_streamed(checkpoint, path, same_as=same_as)
+        return
+    # The user's own CheckpointIO plugin, or a remote path: Lightning's writer needs the whole dict in memory.
+    if is_local(path):
+        on_rank0(lambda: check_replaceable(path), f"save to {path}")  # before any work, as for our own writer
+    checkpoint["state_dict"] = gather_to_rank0(checkpoint["state_dict"], same_as=same_as)
+    if "optimizer_states" in checkpoint:
+        checkpoint["optimizer_states"] = [gather_to_rank0(s) for s in checkpoint["optimizer_states"]]
+    on_rank0(lambda: checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options), "save")
 
 
-def save_sharded(checkpoint: Mapping[str, Any], path: Path) -> None:
+def save_sharded(checkpoint: Mapping[str, Any], path: Path, *, background: BackgroundWriter | None = None) -> None:
     """Write a sharded checkpoint directory; call on every rank.
 
     Tensors (``state_dict``, ``optimizer_<i>``, the layout Lightning's ``ModelParallelStrategy`` uses) go through
-    ``torch.distributed.checkpoint``, each rank writing its own shards; everything else goes to ``meta.pt``
-    from rank 0. All of it is written into a temporary directory that replaces ``path`` only once complete.
+    ``torch.distributed.checkpoint``, each rank writing its own shards; everything else goes to ``meta.pt`` from
+    rank 0. All of it is written into a temporary directory that replaces ``path`` only once complete; a failure on
+    any rank removes it and raises on every rank.
+
+    With ``background`` (a :class:`BackgroundWriter`), the shards are copied to CPU memory now and written by a
+    background thread; this returns at once, and ``background.wait()`` (on every rank) completes the save.
     """
     import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemWriter
 
     tensors = {"state_dict": checkpoint["state_dict"]}
     tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.get("optimizer_states", []))})
     meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
     token = [uuid.uuid4().hex[:8]]
     dist.broadcast_object_list(token, src=0)  # every rank must write into the same temporary directory
-    tmp = path.with_name(f".{path.name}.tmp-{token[0]}")
-    dcp.save(tensors, checkpoint_id=tmp)  # collective; DCP raises on every rank if any rank fails
+    tmp = temporary_path(path, token[0])
 
-    def finish() -> None:
+    def prepare() -> None:  # before any rank writes a byte: refuse a target that is not ours
+        check_replaceable(path)
+        tmp.mkdir(parents=True)
+        with writing(tmp / META_FILENAME, what=str(path)), open(tmp / META_FILENAME, "wb") as f:
+            torch.save(meta, f)
+            f.flush()
+            os.fsync(f.fileno())
+
+    try:
+        on_rank0(prepare, f"start the sharded checkpoint {path}")
+    except BaseException:
+        if _rank0():
+            delete(tmp)
+        raise
+    writer = FileSystemWriter(tmp, overwrite=True)
+    if background is not None:
+        background.start(tensors, writer, tmp, path)
+        return
+    error: BaseException | None = None
+    try:
+        dcp.save(tensors, storage_writer=writer)  # collective; DCP raises on every rank if any rank fails
+    except BaseException as err:  # noqa: BLE001 - raised below on every rank, with rank 0's message
+        error = write_error(err, tmp, what=str(path))
+        if _rank0():
+            delete(tmp)  # our partial output
+    raise_together(error, f"write the sharded checkpoint {path}")
+    on_rank0(lambda: _swap(tmp, path), f"finish the sharded checkpoint {path}")
+
+
+def _swap(tmp: Path, path: Path) -> None:
+    try:
+        check_replaceable(path)  # again: something may have appeared there while the shards were written
+        replace(tmp, path)
+    finally:
+        delete(tmp)
+
+
+class BackgroundWriter:
+    """Writes sharded checkpoints in the background (``FSDP2Strategy(async_save=True)``), one at a time.
+
+    ``start`` copies this rank's shards into CPU staging buffers (the only part that holds up training) and hands
+    them to ``torch.distributed.checkpoint.async_save``, whose thread writes them. Rank 0 swaps the directory into
+    place as soon as DCP reports every rank's shards written (DCP's final step runs on rank 0 after all ranks
+    finished), without waiting for the training loop. :meth:`wait` is where every rank learns the outcome.
+
+    The staging buffers are kept and reused by the next save (allocating and first touching that much memory costs
+    more than the copy): one CPU copy of this rank's shards for the rest of the run. The background thread's
+    collectives need their own process group (training's run on the default one meanwhile), and a CPU one (DCP's
+    planning exchanges Python objects): made here, so construct this on every rank, in the same order.
+    """
+
+    def __init__(self) -> None:
+        self.group = dist.new_group(backend="gloo")
+        self.stager = _ReusedStaging()
+        self.path: Path | None = None  # of the save in flight
+        self._tmp: Path | None = None
+        self._done: Future | None = None  # this rank's part done (on rank 0: written and swapped into place)
+        self._forgotten: Future | None = None
+
+    def start(self, tensors: dict[str, Any], writer: Any, tmp: Path, path: Path) -> None:
+        """Stage ``tensors`` and start writing them into ``tmp``, to be swapped to ``path``; call on every rank."""
+        import torch.distributed.checkpoint as dcp
+
+        self.wait()
+        self._settle_forgotten()
+        # Staging runs here, in the training thread, on every rank; all ranks agree it worked before any starts the
+        # background write (whose collectives would otherwise wait for a rank that never joins).
+        error: BaseException | None = None
         try:
-            atomic_save(meta, tmp / META_FILENAME)
-            replace(tmp, path)
-        finally:
-            if tmp.exists():
-                import shutil
+            staged = self.stager.stage(tensors)
+        except BaseException as err:  # noqa: BLE001 - e.g. out of memory for the staging buffers on one rank
+            error = write_error(err, tmp, what=str(path))
+        try:
+            raise_together(_agree(error, self.group), f"stage the sharded checkpoint {path}")
+        except BaseException:
+            if _rank0():
+                delete(tmp)
+            raise
+        written = dcp.async_save(staged, storage_writer=writer, process_group=self.group, async_stager=_Staged())
+        self.path, self._tmp = path, tmp
+        if not _rank0():
+            self._done = written
+            return
+        done: Future = Future()
 
-                shutil.rmtree(tmp)
+        def finish(result: Future) -> None:  # in DCP's writer thread, once the shards and the index are written
+            error: BaseException | None = None
+            try:
+                result.result()
+                _swap(tmp, path)
+            except BaseException as err:  # noqa: BLE001 - handed to wait()
+                error = err
+            finally:
+                try:
+                    delete(tmp)
+                finally:
+                    if error is None:
+                        done.set_result(None)
+                    else:
+                        done.set_exception(error)
 
-    on_rank0(finish, f"finish the sharded checkpoint {path}")
+        self._done = done
+        written.add_done_callback(finish)
+
+    def wait(self) -> None:
+        """Block until the save in flight (if any) is complete and in place; raise on every rank if it failed. Call
+        on every rank."""
+        if self._done is None:
+            return
+        done, tmp, path = self._done, self._tmp, self.path
+        self._done = self.path = self._tmp = None
+        error: BaseException | None = None
+        try:
+            done.result()
+        except BaseException as err:  # noqa: BLE001
+            error = write_error(err, tmp, what=str(path))
+        raise_together(error, f"write the sharded checkpoint {path}")
+
+    def wait_here(self) -> None:
+        """Block until this rank's part of the save in flight is done (on rank 0: the directory is in place), without
+        talking to the other ranks; the outcome is still reported by the next :meth:`wait`. Safe on one rank."""
+        if self._done is not None:
+            try:
+                self._done.result()
+            except BaseException:  # noqa: BLE001 - reported by wait()
+                pass
+
+    def forget(self) -> None:
+        """Stop waiting for the save in flight (after an error elsewhere: the other ranks may never finish it). Its
+        temporary directory is removed by the next save of that path."""
+        if self._done is not None:
+            self._forgotten = self._done
+        self._done = self.path = self._tmp = None
+
+    def _settle_forgotten(self) -> None:
+        # A forgotten save may still be writing from the staging buffers, on this group: a new one must not start
+        # before it ends (it may never end if another rank died; then nothing more can be saved anyway).
+        if self._forgotten is not None:
+            try:
+                self._forgotten.result()
+            except BaseException:  # noqa: BLE001 - its error was the end of that run
+                pass
+            self._forgotten = None
+
+
+def _agree(error: BaseException | None, group: Any) -> BaseException | None:
+    """This rank's ``error``, or, if only other ranks failed, an error saying so: every rank then has one."""
+    failed = torch.tensor([0 if error is None else 1])
+    dist.all_reduce(failed, group=group)
+    if error is None and int(failed) > 0:
+        return CheckpointError(f"{int(failed)} other rank(s) could not stage the checkpoint; see their error.")
+    return error
+
+
+class _Staged(AsyncStager):
+    """Hands DCP a state dict that :class:`BackgroundWriter` has already staged."""
+
+    _synchronize_after_execute = False
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        return state_dict
+
+    def synchronize_staging(self) -> None:
+        """Nothing to wait for."""
+
+    def close(self) -> None:
+        """Nothing to release."""
+
+
+class _ReusedStaging(AsyncStager):
+    """DCP stager that copies the state into CPU buffers kept from the previous save when the layout is the same.
+
+    DCP's own ``BlockingAsyncStager(cache_staged_state_dict=True)`` does this with pinned memory, which needs CUDA.
+    """
+
+    _synchronize_after_execute = False
+
+    def __init__(self) -> None:
+        self._cache: dict[str, Any] | None = None
+        self._layout: Any = None
+
+    def stage(self, state_dict: dict[str, Any]) -> dict[str, Any]:
+        from torch.distributed._state_dict_utils import _copy_state_dict, _create_cpu_state_dict
+
+        layout = _layout(state_dict)
+        if self._cache is None or layout != self._layout:
+            self._cache = _create_cpu_state_dict(state_dict, pin_memory=torch.cuda.is_available())
+            self._layout = layout
+        return _copy_state_dict(state_dict, self._cache)
+
+    def synchronize_staging(self) -> None:
+        """Staging is done when :meth:`stage` returns."""
+
+    def close(self) -> None:
+        """The buffers stay for the next save."""
+
+
+def _layout(value: Any) -> Any:
+    """The structure, shapes and dtypes of a state dict: equal layouts can share staging buffers."""
+    from torch.distributed.tensor import DTensor
+
+    if isinstance(value, DTensor):
+        return ("dtensor", tuple(value.shape), value.dtype, tuple(value.to_local().shape), tuple(value.placements))
+    if isinstance(value, Tensor):
+        return ("tensor", tuple(value.shape), value.dtype)
+    if isinstance(value, Mapping):
+        return tuple((k, _layout(v)) for k, v in value.items())
+    if isinstance(value, (list, tuple)):
+        return tuple(_layout(v) for v in value)
+    return type(value).__name__
+
+
+def _rank0() -> bool:
+    return not dist.is_initialized() or dist.get_rank() == 0
 
 
 # =============================================================================================== resuming
@@ -193,6 +412,11 @@ def read_sharded_meta(path: Path, weights_only: bool = True) -> dict[str, Any]:
     directory: Lightning checks the key exists before it asks the strategy to load the states.
     """
     metadata = check_sharded_files(path)
+    if not (path / META_FILENAME).is_file():
+        raise CheckpointError(
+            f"The sharded checkpoint {path} is incomplete: it has the tensors' index but no {META_FILENAME} (the"
+            " loops, callbacks and hyper-parameters). It was not written by a completed save; resume from another."
+        )
     checkpoint = load_torch_file(path / META_FILENAME, weights_only=weights_only)
     saved = {k.split(".", 1)[0] for k in metadata.state_dict_metadata if k.startswith("optimizer_")}
     if saved:
@@ -288,9 +512,10 @@ def load_sharded_model(
     module: nn.Module, path: Path, *, strict: bool = True, may_be_missing: Callable[[str], bool] | None = None
 ) -> None:
     """Load the model part of a sharded checkpoint into ``module``, at any world size (DCP reshards)."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
+
+    from lightning_fsdp2.checkpoint import safe_dcp
 
     metadata = check_sharded_files(path)
     saved = {
@@ -308,14 +533,15 @@ def load_sharded_model(
     ]
     _raise_if_misfit(module, str(path), mismatched, missing if strict else [], unexpected if strict else [])
     state = {k: v for k, v in state.items() if k in saved}
-    dcp.load({"state_dict": state}, checkpoint_id=path)
+    safe_dcp.load({"state_dict": state}, path)  # dcp.load with a reader and planner that unpickle no code
     set_model_state_dict(module, state, options=StateDictOptions(strict=False))
 
 
 def load_sharded_optimizer(module: nn.Module, optimizer: Optimizer, path: Path, index: int) -> None:
     """Load the state of the ``index``-th optimizer from a sharded checkpoint, at any world size."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
+
+    from lightning_fsdp2.checkpoint import safe_dcp
 
     key = f"optimizer_{index}"
     metadata = check_sharded_files(path)
@@ -326,7 +552,7 @@ def load_sharded_optimizer(module: nn.Module, optimizer: Optimizer, path: Path, 
         )
     state = get_optimizer_state_dict(module, optimizer)  # creates the (sharded) state tensors to load into
     loaded = {key: state}
-    dcp.load(loaded, checkpoint_id=path)
+    safe_dcp.load(loaded, path)  # dcp.load with a reader and planner that unpickle no code
     set_optimizer_state_dict(module, optimizer, loaded[key])
 
 

@@ -71,7 +71,7 @@ def gather_to_rank0(state: Any, same_as: Mapping[str, str] | None = None) -> Any
 
     def walk(value: Any) -> Any:
         if isinstance(value, Tensor):
-            return _gather_tensor(value, rank0)
+            return gather_tensor(value, rank0)
         if isinstance(value, Mapping):
             return {k: walk(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
@@ -86,16 +86,21 @@ def gather_to_rank0(state: Any, same_as: Mapping[str, str] | None = None) -> Any
     return gathered if rank0 else {}
 
 
-def _gather_tensor(tensor: Tensor, rank0: bool) -> Tensor | None:
+def gather_tensor(tensor: Tensor, rank0: bool, copy: bool = True, discard: bool = False) -> Tensor | None:
+    """The whole of ``tensor`` (a ``DTensor`` or a plain tensor) in CPU memory on rank 0, ``None`` elsewhere; call on
+    every rank. ``copy=False``: the result may be a view of the first rows of a padded receive buffer (contiguous, at
+    offset 0 of its storage), which saves a copy when only its bytes are needed. ``discard=True`` (rank 0, after a
+    failure): receive what the other ranks send, one shard's worth of memory at a time, and keep nothing, so that
+    they are not left waiting."""
     from torch.distributed.tensor import DTensor, Shard
 
     # Always fresh memory: the result must never alias the live model (save_merged merges into it).
     if not isinstance(tensor, DTensor):
-        return tensor.detach().to("cpu", copy=True) if rank0 else None
+        return tensor.detach().to("cpu", copy=True) if rank0 and not discard else None
     mesh = tensor.device_mesh
     if mesh.ndim != 1 or tuple(tensor.placements) != (Shard(0),) or tensor.ndim == 0 or tensor.shape[0] == 0:
         full = tensor.full_tensor()  # a layout FSDP2 does not make by default: the general (all-gather) path
-        return full.to("cpu", copy=True) if rank0 else None
+        return full.to("cpu", copy=True).contiguous() if rank0 and not discard else None
     group, world = mesh.get_group(), mesh.size()
     rows = tensor.shape[0]
     chunk = math.ceil(rows / world)
@@ -110,7 +115,14 @@ def _gather_tensor(tensor: Tensor, rank0: bool) -> Tensor | None:
     if not rank0:
         dist.send(local.contiguous(), dst=dist.get_global_rank(group, 0), group=group)
         return None
-    buffer = torch.empty((world * chunk, *local.shape[1:]), dtype=local.dtype, device=local.device)
+    if discard:
+        _drain(local, group, world)
+        return None
+    try:
+        buffer = torch.empty((world * chunk, *local.shape[1:]), dtype=local.dtype, device=local.device)
+    except BaseException:  # out of memory: still take what the others send, then fail
+        _drain(local, group, world)
+        raise
     pieces = buffer.chunk(world)
     pending = [dist.irecv(pieces[r], src=dist.get_global_rank(group, r), group=group) for r in range(1, world)]
     pieces[0].copy_(local)
@@ -119,4 +131,11 @@ def _gather_tensor(tensor: Tensor, rank0: bool) -> Tensor | None:
     full = buffer[:rows]
     if full.device.type != "cpu":
         return full.cpu()
-    return full.clone() if world * chunk != rows else full  # a view would save the padding rows too
+    return full.clone() if copy and world * chunk != rows else full  # torch.save of a view saves the padding too
+
+
+def _drain(local: Tensor, group: Any, world: int) -> None:
+    """Receive every other rank's piece (shaped like ``local``) into one scratch piece, one after another."""
+    scratch = torch.empty_like(local)  # never `local` itself: it may be the live parameter's storage
+    for r in range(1, world):
+        dist.recv(scratch, src=dist.get_global_rank(group, r), group=group)

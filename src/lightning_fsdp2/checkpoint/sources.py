@@ -153,6 +153,17 @@ def _open_directory(path: Path) -> TensorSource:
 def _open_index(index: Path) -> TensorSource:
     with reading(index):
         weight_map: dict[str, str] = json.loads(index.read_text())["weight_map"]
+    # Every entry must be a plain relative path (no `..`) to a file inside the index's directory. The directory is
+    # resolved, the entry only normalised: the files of a Hugging Face cache snapshot are links to blobs outside it.
+    root = Path(os.path.realpath(index.parent))
+    for key, name in weight_map.items():
+        relative = isinstance(name, str) and name != "" and not os.path.isabs(name) and ".." not in Path(name).parts
+        target = Path(os.path.normpath(root / name)) if relative else root
+        if target == root or not target.is_relative_to(root):
+            raise CheckpointError(
+                f"{index} maps {key!r} to {name!r}, which is not a file inside {index.parent}: the index may be"
+                " malicious. Refusing to read it."
+            )
     files = {key: index.parent / name for key, name in weight_map.items()}
     missing = sorted({str(f) for f in files.values() if not f.is_file()})
     if missing:
