@@ -20,7 +20,8 @@ SECTIONS = [
     ("Scaling", "scaling", "FSDP2Strategy at world sizes 1, 2 and 4."),
     ("Start-up: loading a pretrained model", "load_pretrained-large", "load_pretrained on meta against an eager build "
      "plus whole-state-dict load then sharding, and against reading the rank's share of the bytes."),
-    ("Saving", "save", "Full and sharded checkpoints as the model grows."),
+    ("Saving", "save", "Full and sharded checkpoints as the model grows, against Lightning's ModelParallelStrategy; "
+     "asynchronous sharded saves during training."),
 ]
 
 
