@@ -73,6 +73,8 @@ def read_full_checkpoint(src: str | os.PathLike, weights_only: bool = True) -> d
 
 def sharded_to_full(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
     """Write the sharded checkpoint ``src`` as one full Lightning checkpoint file ``dst`` (atomically)."""
+    if not Path(src).exists():
+        raise FileNotFoundError(f"No checkpoint at {src}: no such file or directory.")
     if not is_sharded_checkpoint(src):
         raise ValueError(f"{src} is not a sharded checkpoint directory (it needs '.metadata' and 'meta.pt').")
     check_replaceable(dst)  # before the (long) read: never replace what is not a checkpoint

@@ -138,7 +138,8 @@ def check_replaceable(path: str | os.PathLike) -> str:
         what = f"a symbolic link to {os.readlink(path)}, which is not a checkpoint"
     elif path.is_dir():
         entries = sorted(p.name for p in path.iterdir())
-        what = f"a directory holding {len(entries)} entries that are not a sharded checkpoint: {entries[:8]}"
+        count = f"{len(entries)} entr{'y' if len(entries) == 1 else 'ies'}"
+        what = f"a directory holding {count} other than a checkpoint's: {entries[:8]}"
     else:
         what = f"a file that is not a checkpoint ({path.stat().st_size} bytes)"
     raise CheckpointError(

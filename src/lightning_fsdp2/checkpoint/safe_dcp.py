@@ -159,9 +159,12 @@ class _WeightsOnlyBytes:
         except pickle.UnpicklingError as err:
             if "weights_only" not in str(err) and "Weights only" not in str(err):
                 raise CheckpointError(f"Could not read {fqn!r} from {self.origin}: {err}. It may be corrupt.") from err
+            # torch's message ends by suggesting weights_only=False, which does not apply here: say so last.
             raise CheckpointError(
                 f"{fqn!r} in {self.origin} holds objects that `torch.load(weights_only=True)` refuses to unpickle:"
-                f" {err}. The checkpoint may be malicious."
+                f" {err}\nThe checkpoint may be malicious. Items of a sharded checkpoint are always read with"
+                " weights_only=True, whatever `trainer.fit(..., weights_only=...)` says: only a checkpoint whose"
+                " non-tensor items are plain data (numbers, strings, lists, dicts) can be loaded."
             ) from err
         except Exception as err:
             raise CheckpointError(
