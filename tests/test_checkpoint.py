@@ -234,7 +234,7 @@ def _measure_load_and_save(source: str, config: dict, save_to: str) -> dict:
 @pytest.mark.skipif(not Path("/proc/self/clear_refs").exists(), reason="needs Linux /proc peak-RSS reset")
 @pytest.mark.parametrize("layers", [4, 12])
 def test_memory_per_rank_while_loading_and_saving(layers: int, tmp_path: Path) -> None:
-    """68 MB (4 layers) and 152 MB (12 layers) of fp32 weights at world size 2. Loading: each rank's peak is its shard
+    """68 MB (4 layers) and 140 MB (12 layers) of fp32 weights at world size 2. Loading: each rank's peak is its shard
     plus about one tensor's slice, under one whole copy of the model (an eager build needs two). Saving a full
     checkpoint: rank 0 holds about one tensor (the file is streamed), whatever the model size; rank 1 about nothing."""
     config = dict(
