@@ -52,7 +52,7 @@ def sections() -> list[tuple[ModuleType, list[str]]]:
     """The modules to document, each with the names of its entries, in the order of the reference."""
     top = importlib.import_module(PACKAGE)
     plan: list[tuple[ModuleType, list[str]]] = [
-        (top, ["FSDP2Strategy", "FSDP2Precision", "load_pretrained", "CheckpointError", "UninitializedError"])
+        (top, ["FSDP2Strategy", "FSDP2Precision", "load_pretrained", "CheckpointFileError", "UninitializedError"])
     ]
     for suffix in ("lora", "convert"):
         module = importlib.import_module(f"{PACKAGE}.{suffix}")

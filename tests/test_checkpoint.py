@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch.utils.data import DataLoader
 
-from lightning_fsdp2 import CheckpointError, FSDP2Strategy, load_pretrained
+from lightning_fsdp2 import CheckpointFileError, FSDP2Strategy, load_pretrained
 from lightning_fsdp2.checkpoint import check_sharded_files
 from tests.helpers import run_distributed
 from tests.models import TokenDataset, probe_logits, quiet_trainer_kwargs, save_tiny_pretrained, tiny_llama_config
@@ -132,17 +132,17 @@ def test_load_pretrained_names_what_does_not_fit(pretrained: Path, tmp_path: Pat
 
     partial = dict(weights)
     del partial["model.layers.1.mlp.up_proj.weight"]
-    with pytest.raises(CheckpointError, match=r"not in the source: 'model\.layers\.1\.mlp\.up_proj\.weight'"):
+    with pytest.raises(CheckpointFileError, match=r"not in the source: 'model\.layers\.1\.mlp\.up_proj\.weight'"):
         load_pretrained(model, partial)
 
     extra = dict(weights, **{"model.layers.9.mlp.up_proj.weight": torch.zeros(1)})
-    with pytest.raises(CheckpointError, match=r"fit nothing in the model: 'model\.layers\.9\.mlp\.up_proj\.weight'"):
+    with pytest.raises(CheckpointFileError, match=r"fit nothing in the model: 'model\.layers\.9\.mlp\.up_proj\.weight'"):
         load_pretrained(model, extra)
     with pytest.warns(UserWarning, match="model.layers.9.mlp.up_proj.weight"):
         load_pretrained(model, extra, strict=False)
 
     wider = LlamaForCausalLM(tiny_llama_config(intermediate_size=96))
-    with pytest.raises(CheckpointError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(128, 64\) in .*"
+    with pytest.raises(CheckpointFileError, match=r"'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(128, 64\) in .*"
                        r"but 'model\.layers\.0\.mlp\.up_proj\.weight' has shape \(96, 64\)"):
         load_pretrained(wider, pretrained)
 
@@ -150,7 +150,7 @@ def test_load_pretrained_names_what_does_not_fit(pretrained: Path, tmp_path: Pat
     save_file(weights, tmp_path / "model.safetensors")
     data = (tmp_path / "model.safetensors").read_bytes()
     (tmp_path / "model.safetensors").write_bytes(data[: len(data) // 2])
-    with pytest.raises(CheckpointError, match=r"model\.safetensors.*truncated or corrupt"):
+    with pytest.raises(CheckpointFileError, match=r"model\.safetensors.*truncated or corrupt"):
         load_pretrained(model, tmp_path / "model.safetensors")
     (tmp_path / "empty").mkdir()
     with pytest.raises(FileNotFoundError, match="holds no model weights"):
@@ -182,7 +182,7 @@ def test_load_pretrained_on_meta_outside_fsdp2_is_refused(pretrained: Path) -> N
 
     with torch.device("meta"):
         model = LlamaForCausalLM(tiny_llama_config())
-    with pytest.raises(CheckpointError, match="nothing will materialize it"):
+    with pytest.raises(CheckpointFileError, match="nothing will materialize it"):
         load_pretrained(model, pretrained)
 
 
@@ -191,9 +191,9 @@ def test_full_state_dict_load_names_unexpected_and_missing_keys() -> None:
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 3))
     state = {k: v.clone() for k, v in model.state_dict().items()}
-    with pytest.raises(CheckpointError, match=r"1 key\(s\) in it fit nothing in the model: 'extra'"):
+    with pytest.raises(CheckpointFileError, match=r"1 key\(s\) in it fit nothing in the model: 'extra'"):
         load_full_state_dict(model, {**state, "extra": torch.zeros(1)})
-    with pytest.raises(CheckpointError, match=r"not in it: '0\.bias'"):
+    with pytest.raises(CheckpointFileError, match=r"not in it: '0\.bias'"):
         load_full_state_dict(model, {"0.weight": state["0.weight"]})
     load_full_state_dict(model, {"0.weight": state["0.weight"] + 1}, strict=False)
     assert torch.equal(model[0].weight, state["0.weight"] + 1)
@@ -310,7 +310,7 @@ def test_checkpoints_are_read_without_unpickling_code(tmp_path: Path) -> None:
 
     path = tmp_path / "evil.ckpt"
     torch.save({"state_dict": {}, "x": Payload()}, path)
-    with pytest.raises(CheckpointError, match=r"evil\.ckpt.*weights_only"):
+    with pytest.raises(CheckpointFileError, match=r"evil\.ckpt.*weights_only"):
         load_torch_file(path)
 
 
@@ -322,7 +322,7 @@ def test_truncated_sharded_index_is_named(saved: dict, tmp_path: Path) -> None:
     broken = tmp_path / "broken.ckpt"
     shutil.copytree(saved["sharded"], broken)
     (broken / ".metadata").write_bytes((broken / ".metadata").read_bytes()[:20])
-    with pytest.raises(CheckpointError, match=r"broken\.ckpt/\.metadata"):
+    with pytest.raises(CheckpointFileError, match=r"broken\.ckpt/\.metadata"):
         check_sharded_files(broken)
 
 
@@ -361,11 +361,11 @@ def test_crafted_sharded_index_is_refused(saved: dict, tmp_path: Path, capsys: p
 
     evil, marker = _evil_copy(saved, tmp_path)
     refused = r"evil\.ckpt/\.metadata refers to `pathlib\.Path\.touch`.*may be malicious"
-    with pytest.raises(CheckpointError, match=refused):
+    with pytest.raises(CheckpointFileError, match=refused):
         check_sharded_files(evil)
-    with pytest.raises(CheckpointError, match=refused):
+    with pytest.raises(CheckpointFileError, match=refused):
         safe_dcp.load({"state_dict": {}}, evil)  # DCP's own load path, past our checks
-    with pytest.raises(CheckpointError, match=refused):
+    with pytest.raises(CheckpointFileError, match=refused):
         read_full_checkpoint(evil)
     with pytest.raises(SystemExit) as exited:
         main([str(evil), str(tmp_path / "out.ckpt")])
@@ -388,9 +388,9 @@ def test_crafted_sharded_item_is_refused(tmp_path: Path) -> None:
     assert marker.exists()  # torch's own planner runs the payload
     marker.unlink()
 
-    with pytest.raises(CheckpointError, match=r"'x' in .*evil\.ckpt holds objects .*weights_only=True"):
+    with pytest.raises(CheckpointFileError, match=r"'x' in .*evil\.ckpt holds objects .*weights_only=True"):
         safe_dcp.load({"state_dict": {"w": torch.zeros(2)}, "x": None}, evil)
-    with pytest.raises(CheckpointError, match=r"'x' in .*evil\.ckpt holds objects .*weights_only=True"):
+    with pytest.raises(CheckpointFileError, match=r"'x' in .*evil\.ckpt holds objects .*weights_only=True"):
         read_full_checkpoint(evil)
     assert not marker.exists()
 
@@ -410,7 +410,7 @@ def test_sharded_index_pointing_outside_is_refused(saved: dict, tmp_path: Path, 
     shutil.copy(ckpt / info.relative_path, tmp_path / "outside.distcp")  # so that only the path is wrong
     info.relative_path = str(tmp_path / "outside.distcp") if where == "absolute" else where
     (ckpt / ".metadata").write_bytes(pickle.dumps(metadata))
-    with pytest.raises(CheckpointError, match=r"ckpt/\.metadata points .* at '.*outside\.distcp'.*not a file inside"):
+    with pytest.raises(CheckpointFileError, match=r"ckpt/\.metadata points .* at '.*outside\.distcp'.*not a file inside"):
         check_sharded_files(ckpt)
 
 
@@ -431,7 +431,7 @@ def test_weight_index_pointing_outside_is_refused(pretrained: Path, tmp_path: Pa
     shutil.copy(model / name, tmp_path / "outside.safetensors")  # so that only the path is wrong
     index["weight_map"][key] = str(tmp_path / "outside.safetensors") if where == "absolute" else where
     (model / "model.safetensors.index.json").write_text(json.dumps(index))
-    with pytest.raises(CheckpointError, match=rf"index\.json maps '{key}' to '.*outside\.safetensors'.*not a file inside"):
+    with pytest.raises(CheckpointFileError, match=rf"index\.json maps '{key}' to '.*outside\.safetensors'.*not a file inside"):
         open_source(model)
-    with pytest.raises(CheckpointError, match=r"outside\.safetensors"):
+    with pytest.raises(CheckpointFileError, match=r"outside\.safetensors"):
         load_pretrained(torch.nn.Linear(1, 1), model)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_fsdp2 import CheckpointError
+from lightning_fsdp2 import CheckpointFileError
 from lightning_fsdp2.checkpoint import save_streamed
 from lightning_fsdp2.convert import read_full_checkpoint
 from tests.helpers import run_distributed
@@ -50,7 +50,7 @@ def _save_over(pretrained: str, targets: list[str], fmt: str) -> list[str]:
         try:
             trainer.save_checkpoint(target)
             outcomes.append("saved")
-        except CheckpointError as err:
+        except CheckpointFileError as err:
             outcomes.append(str(err))
     return outcomes
 
@@ -100,7 +100,7 @@ def test_only_checkpoints_of_ours_are_replaceable(saved: dict, tmp_path: Path) -
     for name, kind in expected.items():
         assert check_replaceable(tmp_path / name) == kind, name
     for name in ("scripted.pt", "notes.txt", "sharded-plus.ckpt", "link-to-notes"):
-        with pytest.raises(CheckpointError, match="Refusing to save to"):
+        with pytest.raises(CheckpointFileError, match="Refusing to save to"):
             check_replaceable(tmp_path / name)
     with pytest.warns(UserWarning, match="Not removing"):
         remove(tmp_path / "sharded-plus.ckpt")
@@ -188,7 +188,7 @@ def test_lora_exports_write_their_files_and_leave_the_others(tmp_path: Path) -> 
     assert torch.allclose(probe_logits(LlamaForCausalLM.from_pretrained(merged_dir)), expected, atol=1e-4)
 
     (tmp_path / "a-file").write_text("x")
-    with pytest.raises(CheckpointError, match="a-file.*not a directory"):
+    with pytest.raises(CheckpointFileError, match="a-file.*not a directory"):
         save_adapter(model, tmp_path / "a-file")
     assert not [p for p in tmp_path.iterdir() if ".tmp-" in p.name]
 
@@ -242,7 +242,7 @@ def _save_until_the_disk_is_full(pretrained: str, path: str, fmt: str) -> dict:
     try:
         trainer.save_checkpoint(path)
         error = "no error"
-    except CheckpointError as err:
+    except CheckpointFileError as err:
         error = str(err)
     leftovers = sorted(p.name for p in Path(path).parent.iterdir() if ".tmp-" in p.name or ".old-" in p.name)
     dist.barrier()
@@ -274,7 +274,7 @@ def test_a_sharded_checkpoint_without_meta_is_called_incomplete(saved: dict, tmp
     broken = tmp_path / "broken.ckpt"
     shutil.copytree(saved["sharded"], broken)
     (broken / "meta.pt").unlink()
-    with pytest.raises(CheckpointError, match=r"broken\.ckpt is incomplete.*meta\.pt"):
+    with pytest.raises(CheckpointFileError, match=r"broken\.ckpt is incomplete.*meta\.pt"):
         read_sharded_meta(broken)
 
 
@@ -403,7 +403,7 @@ def _rank0_fails_halfway(path: str) -> dict:
     try:
         save_streamed({"state_dict": model.state_dict()}, path)
         message = "no error"
-    except (CheckpointError, MemoryError) as err:
+    except (CheckpointFileError, MemoryError) as err:
         message = f"{type(err).__name__}: {err}"
     unchanged = all(torch.equal(v.to_local(), before[k]) for k, v in model.state_dict().items())
     dist.destroy_process_group()
@@ -413,6 +413,6 @@ def _rank0_fails_halfway(path: str) -> dict:
 def test_a_rank0_failure_while_streaming_is_raised_everywhere_without_a_hang(tmp_path: Path) -> None:
     results = run_distributed(_rank0_fails_halfway, 2, str(tmp_path / "full.ckpt"), timeout=120)
     assert results[0]["message"] == "MemoryError: no memory for this tensor"
-    assert results[1]["message"].startswith("CheckpointError: Rank 0 failed to write the checkpoint")
+    assert results[1]["message"].startswith("CheckpointFileError: Rank 0 failed to write the checkpoint")
     assert all(r["unchanged"] for r in results)
     assert list(tmp_path.iterdir()) == []

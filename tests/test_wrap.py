@@ -10,12 +10,13 @@ from lightning.pytorch.demos import Transformer
 from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import FSDPModule
+from torch.utils.data import DataLoader
 
 from lightning_fsdp2 import FSDP2Strategy
 from lightning_fsdp2.init import initialize_module, materialize_module, meta_init_context
 from lightning_fsdp2.wrap import default_block_classes, resolve_policy, shard_model
 from tests.helpers import run_distributed
-from tests.models import LlamaModule, build_llama, quiet_trainer_kwargs
+from tests.models import LlamaModule, TokenDataset, build_llama, quiet_trainer_kwargs
 
 
 def test_default_blocks_come_from_hf_no_split_modules() -> None:
@@ -170,3 +171,49 @@ def test_lightning_module_with_own_parameters_is_the_root() -> None:
     result = run_distributed(_roots_and_training, 2, "direct")[0]
     assert result["roots"] == [""]
     assert result["temperature_grad"]
+
+
+class T5Module(L.LightningModule):
+    """A tiny T5 (its config keeps the key/value cache on, as the Hub's do), trained with its blocks checkpointed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = None
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            from transformers import T5Config, T5ForConditionalGeneration
+
+            config = T5Config(vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4,
+                              decoder_start_token_id=0, use_cache=True)
+            self.model = T5ForConditionalGeneration(config)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.losses.append(float(loss))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TokenDataset(8), batch_size=2)
+
+
+def _t5_with_checkpointing() -> dict:
+    from transformers.models.t5.modeling_t5 import T5Block
+
+    module = T5Module()
+    strategy = FSDP2Strategy(activation_checkpointing_policy={T5Block})
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=strategy, max_steps=2, limit_val_batches=0, **quiet_trainer_kwargs()
+    )
+    trainer.fit(module)
+    return {"losses": module.losses, "use_cache": module.model.config.use_cache}
+
+
+def test_activation_checkpointing_turns_off_a_models_kv_cache_for_training() -> None:
+    result = run_distributed(_t5_with_checkpointing, 2)[0]
+    assert len(result["losses"]) == 2 and all(torch.isfinite(torch.tensor(result["losses"])))
+    assert result["use_cache"] is False

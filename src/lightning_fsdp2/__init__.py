@@ -11,7 +11,7 @@ check_torch_version(torch.__version__)
 
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
-from lightning_fsdp2.checkpoint import CheckpointError, load_pretrained  # noqa: E402
+from lightning_fsdp2.checkpoint import CheckpointFileError, load_pretrained  # noqa: E402
 from lightning_fsdp2.init import UninitializedError  # noqa: E402
 from lightning_fsdp2.precision import FSDP2Precision  # noqa: E402
 from lightning_fsdp2.strategy import FSDP2Strategy  # noqa: E402
@@ -20,7 +20,7 @@ FSDP2Strategy.register_strategies(StrategyRegistry)
 
 __version__ = "0.1.0"
 __all__ = [
-    "CheckpointError",
+    "CheckpointFileError",
     "FSDP2Precision",
     "FSDP2Strategy",
     "UninitializedError",

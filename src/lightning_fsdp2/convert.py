@@ -28,7 +28,7 @@ from lightning_fsdp2.checkpoint import (
     read_sharded_meta,
 )
 from lightning_fsdp2.checkpoint.files import (
-    CheckpointError,
+    CheckpointFileError,
     check_export_directory,
     check_replaceable,
     delete,
@@ -147,7 +147,7 @@ def main(argv: list[str] | None = None) -> None:
             out = to_hf_safetensors(
                 args.src, args.dst, prefix=args.prefix, config_from=args.config_from, max_shard_size=args.max_shard_size
             )
-    except (CheckpointError, FileNotFoundError, ValueError) as err:
+    except (CheckpointFileError, FileNotFoundError, ValueError) as err:
         parser.exit(1, f"error: {err}\n")
     print(f"wrote {out}")
 

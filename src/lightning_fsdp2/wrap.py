@@ -73,7 +73,26 @@ def apply_activation_checkpointing(model: nn.Module, policy: ModulePolicy) -> li
     chosen = [(name, module) for name, module in model.named_modules() if name and select(name, module)]
     for _, module in chosen:
         checkpoint(module)
+    disable_kv_cache(model, [module for _, module in chosen])
     return [name for name, _ in chosen]
+
+
+def disable_kv_cache(model: nn.Module, checkpointed: list[nn.Module]) -> list[str]:
+    """Set ``config.use_cache = False`` on the Hugging Face models that hold a checkpointed module; return their names.
+
+    A model that returns its key/value cache from a training forward (T5 does by default) makes the recomputed forward
+    save other tensors than the first one, which torch's checkpoint refuses ("A different number of tensors was
+    saved"). Hugging Face's own ``gradient_checkpointing_enable`` has the same effect: its models switch the cache off
+    while training with checkpointing. ``generate`` is unaffected: it takes ``use_cache`` from the generation config.
+    """
+    inside = {id(m) for module in checkpointed for m in module.modules()}
+    changed = []
+    for name, sub in model.named_modules():
+        config = getattr(sub, "config", None)
+        if getattr(config, "use_cache", False) and any(id(m) in inside for m in sub.modules()):
+            config.use_cache = False
+            changed.append(name)
+    return changed
 
 
 def shard_model(

@@ -241,12 +241,12 @@ def test_corrupt_or_mismatched_checkpoints_are_named(pretrained: Path, saved: di
     messages = {name: run_distributed(_resume_expecting_error, 2, *args) for name, args in cases.items()}
     for name, per_rank in messages.items():
         assert per_rank[0] == per_rank[1], f"{name}: every rank raises the same error"
-    assert "CheckpointError" in messages["truncated file"][0] and str(truncated) in messages["truncated file"][0]
-    assert "CheckpointError" in messages["truncated shard"][0] and str(shard) in messages["truncated shard"][0]
+    assert "CheckpointFileError" in messages["truncated file"][0] and str(truncated) in messages["truncated file"][0]
+    assert "CheckpointFileError" in messages["truncated shard"][0] and str(shard) in messages["truncated shard"][0]
     for name in ("full, other shapes", "sharded, other shapes"):
         message = messages[name][0]
-        assert "CheckpointError" in message, message
+        assert "CheckpointFileError" in message, message
         assert "'model.model.layers.0.mlp.up_proj.weight' has shape (128, 64) in" in message, message
         assert "(96, 64) in the model" in message, message
     message = messages["full, adapters missing"][0]
-    assert "CheckpointError" in message and "are not in it" in message and "lora_A.default.weight" in message, message
+    assert "CheckpointFileError" in message and "are not in it" in message and "lora_A.default.weight" in message, message

@@ -26,7 +26,7 @@ The modules: ``files`` (safe reads and atomic writes), ``sources`` (tensors read
 from lightning_fsdp2.checkpoint.files import (
     FORMAT_KEY,
     META_FILENAME,
-    CheckpointError,
+    CheckpointFileError,
     atomic_save,
     check_replaceable,
     check_sharded_files,
@@ -58,7 +58,7 @@ __all__ = [
     "BackgroundWriter",
     "FORMAT_KEY",
     "META_FILENAME",
-    "CheckpointError",
+    "CheckpointFileError",
     "PendingPretrained",
     "PretrainedSource",
     "TensorSource",

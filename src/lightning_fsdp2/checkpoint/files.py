@@ -23,8 +23,10 @@ META_FILENAME = "meta.pt"  # a sharded checkpoint's non-tensor part; the name Li
 FORMAT_KEY = "lightning_fsdp2"  # what we add to a checkpoint that is not a plain single-device one
 
 
-class CheckpointError(RuntimeError):
-    """A checkpoint cannot be read, or does not fit the model. The message names the file or the tensors."""
+class CheckpointFileError(RuntimeError):
+    """A checkpoint (or pretrained weights) cannot be read, written or fitted to the model. The message names the file
+    or the tensors. (Named apart from ``torch.utils.checkpoint.CheckpointError``, which is about activation
+    checkpointing.)"""
 
 
 def is_local(path: str | os.PathLike) -> bool:
@@ -34,13 +36,13 @@ def is_local(path: str | os.PathLike) -> bool:
 
 @contextmanager
 def reading(path: str | os.PathLike) -> Iterator[None]:
-    """Turn a failure to parse a file into a :class:`CheckpointError` that names it."""
+    """Turn a failure to parse a file into a :class:`CheckpointFileError` that names it."""
     try:
         yield
-    except (CheckpointError, FileNotFoundError):
+    except (CheckpointFileError, FileNotFoundError):
         raise
     except Exception as err:
-        raise CheckpointError(
+        raise CheckpointFileError(
             f"Could not read {path}: {type(err).__name__}: {err}. The file may be truncated or corrupt (for"
             " example by an interrupted download or copy); replace it."
         ) from err
@@ -64,14 +66,14 @@ def load_torch_file(path: str | os.PathLike, weights_only: bool = True) -> dict[
             return torch.load(path, map_location="cpu", weights_only=weights_only)
     except pickle.UnpicklingError as err:
         if "weights_only" not in str(err) and "Weights only" not in str(err):
-            raise CheckpointError(f"Could not read {path}: {err}. The file may be truncated or corrupt.") from err
-        raise CheckpointError(
+            raise CheckpointFileError(f"Could not read {path}: {err}. The file may be truncated or corrupt.") from err
+        raise CheckpointFileError(
             f"{path} contains objects that `torch.load(weights_only=True)` refuses to unpickle: {err}. If you trust"
             " the file, allow the named classes with `torch.serialization.add_safe_globals([...])`, or pass"
             " `trainer.fit(..., weights_only=False)`."
         ) from err
     except Exception as err:
-        raise CheckpointError(
+        raise CheckpointFileError(
             f"Could not read {path}: {type(err).__name__}: {err}. The file may be truncated or corrupt (for example"
             " a partial copy); replace it."
         ) from err
@@ -124,7 +126,7 @@ def _written_by_sharded_save(name: str) -> bool:
 
 
 def check_replaceable(path: str | os.PathLike) -> str:
-    """Raise :class:`CheckpointError` unless a save may write ``path``: nothing is there, an empty directory, a
+    """Raise :class:`CheckpointFileError` unless a save may write ``path``: nothing is there, an empty directory, a
     checkpoint of ours (a torch/Lightning checkpoint file, or a sharded checkpoint directory), or a link to one.
     Returns the kind (see :func:`checkpoint_kind`).
 
@@ -142,7 +144,7 @@ def check_replaceable(path: str | os.PathLike) -> str:
         what = f"a directory holding {count} other than a checkpoint's: {entries[:8]}"
     else:
         what = f"a file that is not a checkpoint ({path.stat().st_size} bytes)"
-    raise CheckpointError(
+    raise CheckpointFileError(
         f"Refusing to save to {path}: it is {what}. A save replaces only a previous checkpoint at that path; choose a"
         " new path (e.g. a file inside that directory) or move what is there."
     )
@@ -221,10 +223,10 @@ def delete(path: Path) -> None:
 
 
 def check_export_directory(directory: Path) -> None:
-    """Raise :class:`CheckpointError` if ``directory`` exists but is not a directory (a file, a link) we could write
+    """Raise :class:`CheckpointFileError` if ``directory`` exists but is not a directory (a file, a link) we could write
     an export's files into."""
     if directory.is_symlink() or (directory.exists() and not directory.is_dir()):
-        raise CheckpointError(
+        raise CheckpointFileError(
             f"Refusing to write into {directory}: it is a {'link' if directory.is_symlink() else 'file'}, not a"
             " directory. Choose a directory path (a new one, or one the files can be added to)."
         )
@@ -244,10 +246,10 @@ def write_files_into(
     files = sorted(new.iterdir())
     for file in files:  # all checked before the first rename: no export is left half old, half new by a bad entry
         if not file.is_file():
-            raise CheckpointError(f"Unexpected entry {file.name!r} in the export to {directory}; only files are written.")
+            raise CheckpointFileError(f"Unexpected entry {file.name!r} in the export to {directory}; only files are written.")
         target = directory / file.name
         if target.is_dir() and not target.is_symlink():
-            raise CheckpointError(f"Refusing to replace the directory {target} by a file of the export.")
+            raise CheckpointFileError(f"Refusing to replace the directory {target} by a file of the export.")
     directory.mkdir(parents=True, exist_ok=True)
     for file in files:
         with open(file, "rb") as f:
@@ -305,20 +307,20 @@ def remove(path: str | os.PathLike) -> None:
 
 @contextmanager
 def writing(path: str | os.PathLike, *, what: str | None = None, needed: int | None = None) -> Iterator[None]:
-    """Turn a failed write into a :class:`CheckpointError` that names the file, and says "no space left on device"
+    """Turn a failed write into a :class:`CheckpointFileError` that names the file, and says "no space left on device"
     (with the bytes needed and free) when that is why. ``what``: the checkpoint the file belongs to."""
     try:
         yield
-    except (CheckpointError, KeyboardInterrupt, SystemExit):
+    except (CheckpointFileError, KeyboardInterrupt, SystemExit):
         raise
     except BaseException as err:
         raise write_error(err, Path(path), what=what, needed=needed) from err
 
 
 def write_error(err: BaseException, path: Path, *, what: str | None = None, needed: int | None = None) -> Exception:
-    """The error to raise for ``err`` while writing ``path``: a :class:`CheckpointError` naming the file, saying "no
+    """The error to raise for ``err`` while writing ``path``: a :class:`CheckpointFileError` naming the file, saying "no
     space left on device" when the disk is full. Other errors (``KeyboardInterrupt``) are returned unchanged."""
-    if isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit, CheckpointError)):
+    if isinstance(err, (KeyboardInterrupt, SystemExit, GeneratorExit, CheckpointFileError)):
         return err  # type: ignore[return-value]  # (DCP's CheckpointException is a BaseException too: handled)
     target = what or str(path)
     via = f" (its temporary file {path.name})" if what and what != str(path) else ""
@@ -327,12 +329,12 @@ def write_error(err: BaseException, path: Path, *, what: str | None = None, need
         sizes = ", ".join(
             s for s in (f"{needed:,} bytes needed" if needed else "", f"{free:,} bytes free" if free is not None else "") if s
         )
-        return CheckpointError(
+        return CheckpointFileError(
             f"No space left on device while writing {target}" + (f" ({sizes})" if sizes else "") + ". Free some"
             " space (older checkpoints, `.tmp-`/`.old-` leftovers of interrupted saves) or save elsewhere; the"
             " previous checkpoint at that path is intact."
         )
-    return CheckpointError(f"Could not write {target}{via}: {type(err).__name__}: {err}")
+    return CheckpointFileError(f"Could not write {target}{via}: {type(err).__name__}: {err}")
 
 
 def is_disk_full(err: BaseException, path: Path, needed: int | None = None) -> bool:
@@ -363,7 +365,7 @@ def on_rank0(fn: Callable[[], None], what: str) -> None:
     """Run ``fn`` on rank 0 only; then every rank learns whether it worked, and all raise if it did not.
 
     Without this, an error on rank 0 (a full disk, an unpicklable hyper-parameter) would leave the other ranks
-    waiting forever in the next collective. A :class:`CheckpointError` reaches the other ranks word for word.
+    waiting forever in the next collective. A :class:`CheckpointFileError` reaches the other ranks word for word.
     """
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     error: BaseException | None = None
@@ -380,14 +382,14 @@ def broadcast_outcome(error: BaseException | None, what: str) -> None:
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
     outcome: list[str | None] = [None]
     if rank0 and error is not None:
-        exact = isinstance(error, CheckpointError)
+        exact = isinstance(error, CheckpointFileError)
         outcome = [str(error) if exact else f"Rank 0 failed to {what}: {type(error).__name__}: {error}"]
     if dist.is_initialized():
         dist.broadcast_object_list(outcome, src=0)
     if rank0 and error is not None:
         raise error
     if outcome[0] is not None:
-        raise CheckpointError(outcome[0])
+        raise CheckpointFileError(outcome[0])
 
 
 def raise_together(error: BaseException | None, what: str) -> None:
@@ -415,7 +417,7 @@ def check_sharded_files(path: Path) -> Any:
     from lightning_fsdp2.checkpoint.safe_dcp import read_dcp_metadata  # here: safe_dcp imports this module
 
     if not (path / ".metadata").is_file():
-        raise CheckpointError(f"{path} is not a sharded checkpoint: it has no '.metadata' file.")
+        raise CheckpointFileError(f"{path} is not a sharded checkpoint: it has no '.metadata' file.")
     metadata = read_dcp_metadata(path)
     needed: dict[str, int] = {}
     for info in (metadata.storage_data or {}).values():
@@ -425,5 +427,5 @@ def check_sharded_files(path: Path) -> Any:
         have = file.stat().st_size if file.is_file() else -1
         if have < size:
             state = "is missing" if have < 0 else f"has {have} bytes but its index needs {size}"
-            raise CheckpointError(f"The sharded checkpoint file {file} {state}: it is truncated or incomplete.")
+            raise CheckpointFileError(f"The sharded checkpoint file {file} {state}: it is truncated or incomplete.")
     return metadata

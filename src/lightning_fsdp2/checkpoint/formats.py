@@ -23,7 +23,7 @@ from torch.optim import Optimizer
 from lightning_fsdp2.checkpoint.files import (
     FORMAT_KEY,
     META_FILENAME,
-    CheckpointError,
+    CheckpointFileError,
     check_replaceable,
     check_sharded_files,
     delete,
@@ -87,7 +87,7 @@ def optimizer_state_by_name(state: Mapping[str, Any], optimizer: Optimizer, modu
     ours = [[names.get(id(p), "<not in the model>") for p in group["params"]] for group in optimizer.param_groups]
     theirs = [list(group["params"]) for group in state["param_groups"]]
     if [len(g) for g in ours] != [len(g) for g in theirs]:
-        raise CheckpointError(
+        raise CheckpointFileError(
             f"The checkpoint's optimizer state has parameter groups of sizes {[len(g) for g in theirs]}, but the"
             f" optimizer's are {[len(g) for g in ours]}. Were different parameters trainable (or a different"
             " `configure_optimizers`) when it was saved? Resume with the same ones."
@@ -128,7 +128,7 @@ def save(
         }
     if sharded:
         if storage_options is not None or not is_local(path):
-            raise CheckpointError(
+            raise CheckpointFileError(
                 f"Sharded checkpoints are written to a local or mounted directory; got {path!r}"
                 + (" with storage_options" if storage_options is not None else "")
                 + ". Save to a local path, or use state_dict_type='full' with a CheckpointIO plugin."
@@ -318,7 +318,7 @@ def _agree(error: BaseException | None, group: Any) -> BaseException | None:
     failed = torch.tensor([0 if error is None else 1])
     dist.all_reduce(failed, group=group)
     if error is None and int(failed) > 0:
-        return CheckpointError(f"{int(failed)} other rank(s) could not stage the checkpoint; see their error.")
+        return CheckpointFileError(f"{int(failed)} other rank(s) could not stage the checkpoint; see their error.")
     return error
 
 
@@ -413,7 +413,7 @@ def read_sharded_meta(path: Path, weights_only: bool = True) -> dict[str, Any]:
     """
     metadata = check_sharded_files(path)
     if not (path / META_FILENAME).is_file():
-        raise CheckpointError(
+        raise CheckpointFileError(
             f"The sharded checkpoint {path} is incomplete: it has the tensors' index but no {META_FILENAME} (the"
             " loops, callbacks and hyper-parameters). It was not written by a completed save; resume from another."
         )
@@ -448,7 +448,7 @@ def load_optimizers(module: nn.Module, optimizers: Sequence[Optimizer], checkpoi
     """Load each optimizer's state into its sharded state, from either format, at any world size."""
     states = checkpoint.get("optimizer_states", [])
     if len(states) != len(optimizers):
-        raise CheckpointError(
+        raise CheckpointFileError(
             f"The checkpoint holds state for {len(states)} optimizer(s), but `configure_optimizers` returned"
             f" {len(optimizers)}. Resume with the same optimizers."
         )
@@ -496,7 +496,7 @@ def load_full_optimizer(module: nn.Module, optimizer: Optimizer, state: Mapping[
             value = saved["state"][name].get(slot)
             if not isinstance(value, Tensor) or tuple(value.shape) != tuple(tensor.shape):
                 found = tuple(value.shape) if isinstance(value, Tensor) else type(value).__name__
-                raise CheckpointError(
+                raise CheckpointFileError(
                     f"The optimizer state {slot!r} of {name!r} is {found} in the checkpoint but"
                     f" {tuple(tensor.shape)} in the optimizer. Resume with the optimizer that saved it."
                 )
@@ -546,7 +546,7 @@ def load_sharded_optimizer(module: nn.Module, optimizer: Optimizer, path: Path, 
     key = f"optimizer_{index}"
     metadata = check_sharded_files(path)
     if not any(k.startswith(f"{key}.") for k in metadata.state_dict_metadata):
-        raise CheckpointError(
+        raise CheckpointFileError(
             f"The checkpoint {path} holds no state for optimizer {index} (saved with `weights_only`?). Resume from a"
             " checkpoint with optimizer state, or load only the weights."
         )
@@ -567,7 +567,7 @@ def _raise_if_misfit(
     if unexpected:
         problems.append(f"{len(unexpected)} key(s) in it fit nothing in the model: {listing(unexpected)}")
     if problems:
-        raise CheckpointError(
+        raise CheckpointFileError(
             f"The checkpoint {origin} does not fit {type(module).__name__}: " + ". ".join(problems)
             + ". Was it saved from a different model or configuration?"
         )

@@ -9,7 +9,7 @@ from typing import Any
 
 from torch import nn
 
-from lightning_fsdp2.checkpoint.files import CheckpointError
+from lightning_fsdp2.checkpoint.files import CheckpointFileError
 from lightning_fsdp2.checkpoint.plan import (
     LoadPlan,
     adapter_names,
@@ -58,7 +58,7 @@ def load_pretrained(module: nn.Module, source: PretrainedSource, *, strict: bool
             source lacks (other than adapters) and shape mismatches always raise.
 
     Raises:
-        CheckpointError: listing missing or unexpected keys, or naming a key whose shapes differ.
+        CheckpointFileError: listing missing or unexpected keys, or naming a key whose shapes differ.
     """
     declare_load(module, source, strict=strict, adapters_only=False)
 
@@ -72,7 +72,7 @@ def declare_load(module: nn.Module, source: PretrainedSource, *, strict: bool, a
     plan = check_pretrained(module, opened, strict=strict, adapters_only=adapters_only)
     if any(p.is_meta for p in module.parameters()):
         if not materialized_later():
-            raise CheckpointError(
+            raise CheckpointFileError(
                 f"{type(module).__name__} is on the meta device, but nothing will materialize it and run the load"
                 " later: load_pretrained defers loads only in `configure_model` under FSDP2Strategy (with"
                 " meta_init=True). Build the model for real to load at once."
@@ -106,7 +106,7 @@ def check_pretrained(
     if adapters_only:
         missing = [n for n in plan.missing if n in adapter_params]
         if not adapter_params:
-            raise CheckpointError(
+            raise CheckpointFileError(
                 f"{type(module).__name__} has no peft adapters to load saved adapters into. Wrap it with"
                 " `get_peft_model(model, LoraConfig.from_pretrained(adapter_dir))` first."
             )
@@ -124,12 +124,12 @@ def check_pretrained(
             " (pass strict=False to ignore them)"
         )
     if problems and adapters_only:
-        raise CheckpointError(
+        raise CheckpointFileError(
             f"Cannot load saved adapters into {type(module).__name__}: " + ". ".join(problems)
             + ". Build the LoRA configuration from the adapter directory: LoraConfig.from_pretrained(adapter_dir)."
         )
     if problems:
-        raise CheckpointError(f"Cannot load pretrained weights into {type(module).__name__}: " + ". ".join(problems))
+        raise CheckpointFileError(f"Cannot load pretrained weights into {type(module).__name__}: " + ". ".join(problems))
     if plan.unexpected and warn:
         warnings.warn(f"Ignoring {len(plan.unexpected)} key(s) that fit nothing in the model: {listing(plan.unexpected)}")
     return plan

@@ -38,7 +38,7 @@ from torch.distributed.checkpoint.metadata import (
 )
 from torch.distributed.checkpoint.planner import ReadItem
 
-from lightning_fsdp2.checkpoint.files import CheckpointError, reading
+from lightning_fsdp2.checkpoint.files import CheckpointFileError, reading
 
 # Every global a DCP index refers to, found by logging `find_class` while reading the indexes DCP writes for a
 # model and an AdamW state (plain and FSDP2-sharded, several dtypes). Torch dtypes are allowed by type below.
@@ -81,7 +81,7 @@ class _IndexUnpickler(pickle.Unpickler):
         # torch.__dict__, not getattr: torch's module __getattr__ would import lazy submodules for unknown names.
         if module == "torch" and isinstance(torch.__dict__.get(name), torch.dtype):
             return torch.__dict__[name]
-        raise CheckpointError(
+        raise CheckpointFileError(
             f"{self.origin} refers to `{module}.{name}`, which is not part of a checkpoint index torch writes: the"
             " file is not a DCP index written by torch and may be malicious. Refusing to unpickle it."
         )
@@ -90,7 +90,7 @@ class _IndexUnpickler(pickle.Unpickler):
 def read_dcp_metadata(path: Path, name: str = ".metadata") -> Metadata:
     """Read the index (``path / name``) of the DCP checkpoint ``path`` without running code from it.
 
-    Raises :class:`CheckpointError` naming the file if it refers to anything but DCP's own index classes, cannot be
+    Raises :class:`CheckpointFileError` naming the file if it refers to anything but DCP's own index classes, cannot be
     parsed, or points at a file outside ``path``.
     """
     path = Path(path)
@@ -98,17 +98,17 @@ def read_dcp_metadata(path: Path, name: str = ".metadata") -> Metadata:
     with reading(file), open(file, "rb") as f:
         metadata = _IndexUnpickler(f, file).load()
     if not isinstance(metadata, Metadata) or not isinstance(getattr(metadata, "state_dict_metadata", None), dict):
-        raise CheckpointError(f"{file} is not a checkpoint index: it holds a {type(metadata).__name__}.")
+        raise CheckpointFileError(f"{file} is not a checkpoint index: it holds a {type(metadata).__name__}.")
     if getattr(metadata, "storage_meta", None) is None:
         metadata.storage_meta = StorageMeta()
     storage = metadata.storage_data
     if storage is not None and not isinstance(storage, dict):
-        raise CheckpointError(f"{file} is not a checkpoint index: its storage data is a {type(storage).__name__}.")
+        raise CheckpointFileError(f"{file} is not a checkpoint index: its storage data is a {type(storage).__name__}.")
     root = Path(os.path.realpath(path))
     for index, info in (storage or {}).items():
         relative = getattr(info, "relative_path", None)
         if not isinstance(info, _StorageInfo) or not _is_inside(root, relative):
-            raise CheckpointError(
+            raise CheckpointFileError(
                 f"{file} points {getattr(index, 'fqn', index)!r} at {relative!r}, which is not a file inside {path}:"
                 " the index may be malicious. Refusing to read it."
             )
@@ -127,13 +127,13 @@ def _is_inside(root: Path, relative: Any) -> bool:
 class SafeFileSystemReader(FileSystemReader):
     """A DCP ``FileSystemReader`` that reads the index with :func:`read_dcp_metadata` instead of ``pickle.load``."""
 
-    refused: CheckpointError | None = None  # set when the index was refused: DCP hides the error in its own
+    refused: CheckpointFileError | None = None  # set when the index was refused: DCP hides the error in its own
 
     def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
         rank = kwargs.get("rank")
         try:
             metadata = read_dcp_metadata(Path(self.path), ".metadata" if rank is None else f"__{rank}.metadata")
-        except CheckpointError as err:
+        except CheckpointFileError as err:
             self.refused = self.refused or err
             raise
         metadata.storage_meta.load_id = self.load_id
@@ -158,16 +158,16 @@ class _WeightsOnlyBytes:
             obj = torch.load(value, weights_only=True)
         except pickle.UnpicklingError as err:
             if "weights_only" not in str(err) and "Weights only" not in str(err):
-                raise CheckpointError(f"Could not read {fqn!r} from {self.origin}: {err}. It may be corrupt.") from err
+                raise CheckpointFileError(f"Could not read {fqn!r} from {self.origin}: {err}. It may be corrupt.") from err
             # torch's message ends by suggesting weights_only=False, which does not apply here: say so last.
-            raise CheckpointError(
+            raise CheckpointFileError(
                 f"{fqn!r} in {self.origin} holds objects that `torch.load(weights_only=True)` refuses to unpickle:"
                 f" {err}\nThe checkpoint may be malicious. Items of a sharded checkpoint are always read with"
                 " weights_only=True, whatever `trainer.fit(..., weights_only=...)` says: only a checkpoint whose"
                 " non-tensor items are plain data (numbers, strings, lists, dicts) can be loaded."
             ) from err
         except Exception as err:
-            raise CheckpointError(
+            raise CheckpointFileError(
                 f"Could not read {fqn!r} from {self.origin}: {type(err).__name__}: {err}. It may be corrupt."
             ) from err
         if self.flatten_state_dict:
@@ -186,16 +186,16 @@ class SafeEmptyStateDictLoadPlanner(_WeightsOnlyBytes, _EmptyStateDictLoadPlanne
 
 @contextmanager
 def checkpoint_errors(reader: SafeFileSystemReader) -> Iterator[None]:
-    """Re-raise, as itself, a :class:`CheckpointError` that a DCP load wrapped in its own exceptions."""
+    """Re-raise, as itself, a :class:`CheckpointFileError` that a DCP load wrapped in its own exceptions."""
     try:
         yield
     except (Exception, CheckpointException) as err:
         found = reader.refused
         if found is None and isinstance(err, CheckpointException):
-            found = next((e for e, _ in err.failures.values() if isinstance(e, CheckpointError)), None)
+            found = next((e for e, _ in err.failures.values() if isinstance(e, CheckpointFileError)), None)
         if found is None or found is err:
             raise
-        raise CheckpointError(str(found)) from err
+        raise CheckpointFileError(str(found)) from err
 
 
 def load(state_dict: dict[str, Any], path: Path) -> None:

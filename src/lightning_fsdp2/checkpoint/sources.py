@@ -10,7 +10,7 @@ from typing import Any, Protocol, Union
 
 from torch import Tensor
 
-from lightning_fsdp2.checkpoint.files import CheckpointError, load_torch_file, missing_checkpoint, reading
+from lightning_fsdp2.checkpoint.files import CheckpointFileError, load_torch_file, missing_checkpoint, reading
 
 PretrainedSource = Union[str, os.PathLike, Mapping[str, Tensor]]
 """A Hugging Face model directory, a ``.safetensors``/``.bin``/``.pt``/``.ckpt`` file, or a state dict."""
@@ -79,7 +79,7 @@ class SafetensorsSource:
                 for key, where in files.items():
                     if where == path:
                         if key not in names:
-                            raise CheckpointError(f"{path} does not hold {key!r}, which its index says it does.")
+                            raise CheckpointFileError(f"{path} does not hold {key!r}, which its index says it does.")
                         self._shapes[key] = tuple(f.get_slice(key).get_shape())
 
     def keys(self) -> list[str]:
@@ -160,7 +160,7 @@ def _open_index(index: Path) -> TensorSource:
         relative = isinstance(name, str) and name != "" and not os.path.isabs(name) and ".." not in Path(name).parts
         target = Path(os.path.normpath(root / name)) if relative else root
         if target == root or not target.is_relative_to(root):
-            raise CheckpointError(
+            raise CheckpointFileError(
                 f"{index} maps {key!r} to {name!r}, which is not a file inside {index.parent}: the index may be"
                 " malicious. Refusing to read it."
             )
