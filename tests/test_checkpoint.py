@@ -435,3 +435,70 @@ def test_weight_index_pointing_outside_is_refused(pretrained: Path, tmp_path: Pa
         open_source(model)
     with pytest.raises(CheckpointFileError, match=r"outside\.safetensors"):
         load_pretrained(torch.nn.Linear(1, 1), model)
+
+
+# =========================================================================== nested peft wrappers
+def _moe_config():
+    from transformers import Qwen3MoeConfig
+
+    return Qwen3MoeConfig(
+        vocab_size=128, hidden_size=64, intermediate_size=128, moe_intermediate_size=32, num_hidden_layers=2,
+        num_attention_heads=4, num_key_value_heads=2, num_experts=4, num_experts_per_tok=2, max_position_embeddings=64,
+    )
+
+
+def _moe_lora(model: torch.nn.Module) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+
+    # all-linear wraps the fused experts twice: the experts module and the projection inside it.
+    return get_peft_model(model, LoraConfig(r=2, lora_alpha=4, target_modules="all-linear"))
+
+
+class MoEProbe(L.LightningModule):
+    def __init__(self, source: str) -> None:
+        super().__init__()
+        self.source, self.model = source, None
+        self.logits: list[torch.Tensor] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            from transformers import Qwen3MoeForCausalLM
+
+            self.model = _moe_lora(Qwen3MoeForCausalLM(_moe_config()))
+            load_pretrained(self.model, self.source)
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.logits.append(self.model(input_ids=batch).logits.detach().float())
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TokenDataset(4), batch_size=4)
+
+
+def _moe_probe(source: str) -> torch.Tensor:
+    module = MoEProbe(source)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), **quiet_trainer_kwargs())
+    trainer.validate(module, verbose=False)
+    return module.logits[0]
+
+
+def test_twice_wrapped_adapters_keep_distinct_names_and_load(tmp_path: Path) -> None:
+    """LoRA all-linear on Qwen3-MoE: `experts.base_layer.lora_A` and `experts.lora_A` are different tensors; a whole
+    peft state dict with non-zero adapters loads into the sharded model and gives the eager model's logits."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from lightning_fsdp2.checkpoint import canonical_name
+
+    torch.manual_seed(0)
+    eager = _moe_lora(Qwen3MoeForCausalLM(_moe_config()))
+    with torch.no_grad():
+        for name, param in eager.named_parameters():
+            if "lora_B" in name:
+                param.normal_(std=0.1)  # adapters that change the output, each its own values
+    names = [n for n, _ in eager.named_parameters()]
+    assert any(".experts.base_layer.lora_A." in n for n in names) and any(".experts.lora_A." in n for n in names)
+    assert len({canonical_name(n) for n in names}) == len(names), "two tensors share a canonical name"
+    torch.save(eager.state_dict(), tmp_path / "moe-lora.pt")
+    logits = run_distributed(_moe_probe, 2, str(tmp_path / "moe-lora.pt"))
+    expected = probe_logits(eager)
+    for rank_logits in logits:
+        assert torch.allclose(rank_logits, expected, atol=1e-5), (rank_logits - expected).abs().max()

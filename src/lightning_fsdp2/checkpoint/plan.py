@@ -19,14 +19,21 @@ _ADAPTER_CONTAINERS = frozenset(
 
 
 def canonical_name(name: str, adapter_names: frozenset[str] = frozenset({"default"})) -> str:
-    """``name`` without peft's wrapping: no ``base_model.model.`` prefix, ``base_layer``/``original_module``
-    segments or adapter-name segments. A plain Hugging Face name is returned as it is."""
+    """``name`` without peft's wrapping: no ``base_model.model.`` prefix, adapter-name segments, and no
+    ``base_layer``/``original_module`` segments on the way to a base weight. A plain Hugging Face name is returned as
+    it is.
+
+    A ``base_layer`` followed by an adapter's own tensor stays: when peft wraps a layer twice (LoRA ``all-linear`` on
+    fused MoE experts wraps the experts module and its inner projection), ``experts.base_layer.lora_A`` (the inner
+    wrapper's adapter) and ``experts.lora_A`` (the outer one's) are different tensors and keep different names, as in
+    peft's own saved adapters.
+    """
     parts = name.split(".")
     if parts[:2] == ["base_model", "model"]:
         parts = parts[2:]
     out: list[str] = []
-    for part in parts:
-        if part in ("base_layer", "original_module"):
+    for i, part in enumerate(parts):
+        if part in ("base_layer", "original_module") and not _ADAPTER_CONTAINERS.intersection(parts[i + 1 :]):
             continue
         if out and out[-1] in _ADAPTER_CONTAINERS and part in adapter_names:
             continue
