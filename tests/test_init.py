@@ -6,11 +6,20 @@ import lightning as L
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader
 
 from lightning_fsdp2 import FSDP2Strategy
 from lightning_fsdp2.init import meta_init_context
 from tests.helpers import run_distributed
-from tests.models import LlamaModule, build_llama, full_state, quiet_trainer_kwargs
+from tests.models import (
+    LlamaModule,
+    TokenDataset,
+    build_llama,
+    full_state,
+    probe_logits,
+    quiet_trainer_kwargs,
+    tiny_llama_config,
+)
 
 
 def test_meta_init_context_sends_parameters_to_meta_and_keeps_buffers_real() -> None:
@@ -144,3 +153,69 @@ def test_from_pretrained_under_meta_init_is_refused_not_silently_dropped(tmp_pat
         LlamaForCausalLM.from_pretrained(tmp_path)
     # outside the context it loads as usual
     assert not any(p.is_meta for p in LlamaForCausalLM.from_pretrained(tmp_path).parameters())
+
+
+# =========================================================================== peft tuners beyond LoRA
+def _peft_config(method: str):
+    from peft import IA3Config, LoraConfig
+
+    if method == "dora":
+        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True)
+    return IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"])
+
+
+class PeftProbe(L.LightningModule):
+    """A Llama built on meta, its weights from load_pretrained, then a fresh peft adapter of the given method."""
+
+    def __init__(self, pretrained: str, method: str) -> None:
+        super().__init__()
+        self.pretrained, self.method, self.model = pretrained, method, None
+        self.facts: dict = {}
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            from peft import get_peft_model
+            from transformers import LlamaForCausalLM
+
+            from lightning_fsdp2 import load_pretrained
+
+            base = LlamaForCausalLM(tiny_llama_config())
+            load_pretrained(base, self.pretrained)
+            self.model = get_peft_model(base, _peft_config(self.method))
+
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        adapters = {
+            n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
+            for n, p in self.model.named_parameters()
+            if p.requires_grad
+        }
+        self.facts = {"logits": probe_logits(self.model), "adapters": adapters}
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TokenDataset(2), batch_size=2)
+
+
+def _fresh_adapters(pretrained: str, method: str) -> dict:
+    module = PeftProbe(pretrained, method)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), **quiet_trainer_kwargs())
+    trainer.validate(module, verbose=False)
+    return module.facts
+
+
+@pytest.mark.parametrize("method", ["dora", "ia3"])
+def test_dora_and_ia3_adapters_start_as_peft_starts_them_on_the_loaded_base(method: str, pretrained) -> None:
+    """DoRA's magnitudes are the row norms of the *loaded* weights; IA3's vectors are ones: equal to peft's own
+    eager initialization on `from_pretrained`'s model, and so are the logits."""
+    from peft import get_peft_model
+    from transformers import LlamaForCausalLM
+
+    result = run_distributed(_fresh_adapters, 2, str(pretrained), method)[0]
+    torch.manual_seed(0)
+    eager = get_peft_model(LlamaForCausalLM.from_pretrained(pretrained), _peft_config(method))
+    expected = {n: p.detach() for n, p in eager.named_parameters() if p.requires_grad}
+    deterministic = [n for n in expected if "lora_A" not in n]  # lora_A is random (Kaiming)
+    assert result["adapters"].keys() == expected.keys()
+    assert deterministic and any(("magnitude" in n or "ia3_l" in n) for n in deterministic)
+    for name in deterministic:
+        assert torch.allclose(result["adapters"][name], expected[name], atol=1e-6), name
+    assert torch.allclose(result["logits"], probe_logits(eager), atol=1e-5)

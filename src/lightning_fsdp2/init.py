@@ -33,6 +33,7 @@ from torch import Tensor, nn
 __all__ = [
     "UninitializedError",
     "check_initialized",
+    "initialize_from_loaded",
     "initialize_module",
     "materialize_module",
     "meta_init_context",
@@ -181,8 +182,9 @@ def initialize_module(module: nn.Module, materialized: list[str], rules: list[In
        ``nn.Transformer``), children before parents, just as constructors run.
     2. Hugging Face: each outermost ``PreTrainedModel``'s ``initialize_weights()`` (its ``_init_weights``), which
        also recomputes rotary ``inv_freq`` buffers.
-    3. peft: ``reset_lora_parameters`` with each adapter's own ``init_lora_weights`` (``lora_B`` zero), last,
-       since adapters are injected after the base model is built.
+    3. peft: ``reset_lora_parameters`` with each adapter's own ``init_lora_weights`` (``lora_B`` zero), and IA3's
+       ``reset_ia3_parameters`` (ones), last, since adapters are injected after the base model is built. DoRA's
+       magnitudes derive from the loaded base weights: :func:`initialize_from_loaded` gives them values later.
 
     Only modules holding a materialized tensor are touched, so values that were real before (buffers computed during
     construction, parts built outside ``meta``) survive. On CPU meshes, where DTensor has no distributed RNG, random
@@ -199,7 +201,19 @@ def initialize_module(module: nn.Module, materialized: list[str], rules: list[In
 
 def default_init_rules() -> list[InitRule]:
     """The rules :func:`initialize_module` applies by default, in order."""
-    return [reset_parameters_rule, hf_init_rule, peft_lora_rule]
+    return [reset_parameters_rule, hf_init_rule, peft_lora_rule, peft_ia3_rule]
+
+
+@torch.no_grad()
+def initialize_from_loaded(module: nn.Module, materialized: list[str]) -> None:
+    """Give values to the materialized tensors whose initial values derive from the base weights, once those hold
+    their final (loaded) values: DoRA's magnitude vectors are the norms of the pretrained weights' rows.
+
+    Call on every rank after the pretrained weights are loaded: the rule gathers each adapted weight whole (a
+    collective, in module order, the same on every rank).
+    """
+    if materialized:
+        peft_dora_rule(module, set(materialized))
 
 
 def reset_parameters_rule(module: nn.Module, materialized: set[str]) -> None:
@@ -238,13 +252,9 @@ def peft_lora_rule(module: nn.Module, materialized: set[str]) -> None:
     """Initialize LoRA adapters as peft does, with each adapter's own ``init_lora_weights`` setting."""
     try:
         from peft.tuners.lora import LoraLayer
-        from peft.tuners.tuners_utils import BaseTuner
     except ImportError:
         return
-    configs: dict[str, Any] = {}
-    for sub in module.modules():
-        if isinstance(sub, BaseTuner):
-            configs.update(sub.peft_config)
+    configs = _peft_configs(module)
     holders = _modules_holding(module, materialized)
     for name, sub in module.named_modules():
         if not isinstance(sub, LoraLayer) or name not in holders:
@@ -258,6 +268,82 @@ def peft_lora_rule(module: nn.Module, materialized: set[str]) -> None:
                     " init_lora_weights=True or 'gaussian', or start from saved adapters."
                 )
             sub.reset_lora_parameters(adapter, init)
+
+
+def peft_ia3_rule(module: nn.Module, materialized: set[str]) -> None:
+    """Initialize IA3 vectors as peft does: ones (``reset_ia3_parameters``) with ``init_ia3_weights=True`` (its
+    default), else a standard normal draw, as peft's ``update_layer``."""
+    try:
+        from peft.tuners.ia3 import IA3Layer
+    except ImportError:
+        return
+    configs = _peft_configs(module)
+    for name, sub in module.named_modules():
+        if not isinstance(sub, IA3Layer):
+            continue
+        for adapter, vector in sub.ia3_l.items():
+            if f"{name}.ia3_l.{adapter}" not in materialized:
+                continue
+            if getattr(configs.get(adapter), "init_ia3_weights", True):
+                sub.reset_ia3_parameters(adapter)
+            else:
+                vector.normal_()
+
+
+def peft_dora_rule(module: nn.Module, materialized: set[str]) -> None:
+    """DoRA's magnitude vectors, by peft's own ``DoraLinearLayer.update_layer`` on the whole (loaded) base weight and
+    adapters, of which each rank keeps the rows of its shard. Runs after the pretrained load (see
+    :func:`initialize_from_loaded`)."""
+    try:
+        from peft.tuners.lora import LoraLayer
+        from peft.tuners.lora.dora import DoraLinearLayer
+    except ImportError:
+        return
+    from lightning_fsdp2.checkpoint.shards import local_slice  # here: the checkpoint package imports this module
+
+    for name, sub in module.named_modules():
+        if not isinstance(sub, LoraLayer):
+            continue
+        for adapter, magnitude in sub.lora_magnitude_vector.items():
+            if f"{name}.lora_magnitude_vector.{adapter}.weight" not in materialized:
+                continue
+            if type(magnitude) is not DoraLinearLayer:
+                raise ValueError(
+                    f"DoRA adapter {adapter!r} at {name!r} is on a {type(sub.get_base_layer()).__name__}; on a"
+                    " meta-built sharded model its magnitudes can be computed for linear layers only. Start from"
+                    " saved adapters (`lora.load_adapter`), target linear layers only, or pass"
+                    " FSDP2Strategy(meta_init=False)."
+                )
+            base = nn.Module()
+            base.weight = nn.Parameter(_whole(sub.get_base_layer().weight), requires_grad=False)
+            fresh = DoraLinearLayer(fan_in_fan_out=magnitude.fan_in_fan_out)
+            fresh.update_layer(
+                base_layer=base,
+                lora_A=_whole(sub.lora_A[adapter].weight),
+                lora_B=_whole(sub.lora_B[adapter].weight),
+                scaling=sub.scaling[adapter],
+            )
+            target = magnitude.weight
+            local = target.to_local() if hasattr(target, "to_local") else target
+            local.copy_(fresh.weight[local_slice(target)])
+
+
+def _whole(tensor: Tensor) -> Tensor:
+    """The whole of a (sharded) tensor on this rank; a collective for a ``DTensor``."""
+    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
+
+
+def _peft_configs(module: nn.Module) -> dict[str, Any]:
+    """Every peft adapter's config in ``module``, by adapter name."""
+    try:
+        from peft.tuners.tuners_utils import BaseTuner
+    except ImportError:
+        return {}
+    configs: dict[str, Any] = {}
+    for sub in module.modules():
+        if isinstance(sub, BaseTuner):
+            configs.update(sub.peft_config)
+    return configs
 
 
 def _modules_holding(module: nn.Module, materialized: set[str]) -> set[str]:

@@ -49,6 +49,7 @@ from torch.optim import Optimizer
 from lightning_fsdp2 import checkpoint as ckpt
 from lightning_fsdp2.init import (
     check_initialized,
+    initialize_from_loaded,
     initialize_module,
     materialize_module,
     meta_init_context,
@@ -304,6 +305,7 @@ class FSDP2Strategy(ParallelStrategy):
         to_initialize = [name for name in materialized if name not in loaded]
         initialize_module(module, to_initialize)
         pretrained.run(module)
+        initialize_from_loaded(module, to_initialize)  # DoRA magnitudes: norms of the loaded base weights
         check_initialized(module, to_initialize, self.root_device)
         module._fsdp2_parallelized = True
         return module
