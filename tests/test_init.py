@@ -219,3 +219,46 @@ def test_dora_and_ia3_adapters_start_as_peft_starts_them_on_the_loaded_base(meth
     for name in deterministic:
         assert torch.allclose(result["adapters"][name], expected[name], atol=1e-6), name
     assert torch.allclose(result["logits"], probe_logits(eager), atol=1e-5)
+
+
+class FromSavedAdapter(PeftProbe):
+    """The same, then the adapter peft saved (its own file format) loaded with lora.load_adapter."""
+
+    def __init__(self, pretrained: str, method: str, adapter_dir: str) -> None:
+        super().__init__(pretrained, method)
+        self.adapter_dir = adapter_dir
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            from lightning_fsdp2.lora import load_adapter
+
+            super().configure_model()
+            load_adapter(self.model, self.adapter_dir)
+
+
+def _from_saved_adapter(pretrained: str, method: str, adapter_dir: str) -> dict:
+    module = FromSavedAdapter(pretrained, method, adapter_dir)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), **quiet_trainer_kwargs())
+    trainer.validate(module, verbose=False)
+    return module.facts
+
+
+@pytest.mark.parametrize("method", ["dora", "ia3"])
+def test_dora_and_ia3_adapters_saved_by_peft_load_with_load_adapter(method: str, pretrained, tmp_path) -> None:
+    """peft saves DoRA's magnitudes without `.weight` and IA3's vectors without the adapter name; load_adapter follows
+    peft's own naming (get_peft_model_state_dict) and gives the eager model's logits."""
+    from peft import get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    eager = get_peft_model(LlamaForCausalLM.from_pretrained(pretrained), _peft_config(method))
+    with torch.no_grad():
+        for name, param in eager.named_parameters():
+            if param.requires_grad:
+                param.add_(torch.randn_like(param) * 0.1)  # every adapter tensor moved off its initial value
+    eager.save_pretrained(tmp_path / "adapter")
+    result = run_distributed(_from_saved_adapter, 2, str(pretrained), method, str(tmp_path / "adapter"))[0]
+    for name, param in eager.named_parameters():
+        if param.requires_grad:
+            assert torch.allclose(result["adapters"][name], param.detach(), atol=1e-6), name
+    assert torch.allclose(result["logits"], probe_logits(eager), atol=1e-5)

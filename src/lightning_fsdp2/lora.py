@@ -143,7 +143,7 @@ def load_adapter(module: nn.Module, source: PretrainedSource, *, strict: bool = 
 
     ``source`` is what :func:`save_adapter` (or peft's ``save_pretrained``) wrote, or its
     ``adapter_model.safetensors``. Call it in ``configure_model`` after ``get_peft_model`` (with the saved
-    ``LoraConfig.from_pretrained(source)``); like ``load_pretrained`` it is deferred on ``meta`` and each rank reads
+    ``PeftConfig.from_pretrained(source)``, which returns the saved ``LoraConfig``, ``IA3Config``, ...); like ``load_pretrained`` it is deferred on ``meta`` and each rank reads
     only its slices. Every adapter parameter must be in ``source``; the base model's weights are not needed (load
     them with ``load_pretrained``).
     """

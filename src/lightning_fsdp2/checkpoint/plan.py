@@ -51,6 +51,33 @@ def adapter_names(module: nn.Module) -> frozenset[str]:
     return frozenset(names)
 
 
+def peft_saved_names(module: nn.Module, adapters: frozenset[str]) -> dict[str, str]:
+    """For each peft model in ``module``: the canonical name peft's ``save_pretrained`` gives each adapter tensor ->
+    the canonical name of the tensor in the model.
+
+    peft saves some tensors under other names than the model's (DoRA's ``lora_magnitude_vector`` without
+    ``.weight``, IA3's ``ia3_l`` without the adapter name, ...). Its own ``get_peft_model_state_dict`` makes those
+    names from the model's state dict, keeping the tensors: matching them by identity gives the translation, for
+    every tuner, without a table of ours.
+    """
+    try:
+        from peft import PeftModel
+        from peft.utils import get_peft_model_state_dict
+    except ImportError:
+        return {}
+    out: dict[str, str] = {}
+    for sub in module.modules():
+        if not isinstance(sub, PeftModel):
+            continue
+        state = sub.state_dict()
+        by_id = {id(v): k for k, v in state.items()}
+        for adapter in sub.peft_config:
+            for key, value in get_peft_model_state_dict(sub, state_dict=state, adapter_name=adapter).items():
+                if id(value) in by_id:
+                    out.setdefault(canonical_name(key, adapters), canonical_name(by_id[id(value)], adapters))
+    return {saved: name for saved, name in out.items() if saved != name}
+
+
 def adapter_tensors(module: nn.Module) -> set[str]:
     """Names of the tensors peft added to ``module``: everything inside a peft tuner layer except its base layer,
     and every name with a LoRA or ``modules_to_save`` segment. Whatever the tuner (LoRA, IA3, ...)."""

@@ -17,6 +17,7 @@ from lightning_fsdp2.checkpoint.plan import (
     align_prefixes,
     canonical_name,
     listing,
+    peft_saved_names,
     plan_load,
     run_plan,
 )
@@ -91,24 +92,35 @@ def check_pretrained(
     Required: every parameter but peft's adapters (a base model's weights), or with ``adapters_only`` every adapter
     parameter and nothing else (saved adapters)."""
     names = adapter_names(module)
-    targets = [canonical_name(n, names) for n, _ in module.named_parameters(remove_duplicate=False)]
-    strip_source, strip_target = align_prefixes((canonical_name(k, names) for k in source.keys()), targets)
+    saved_as = peft_saved_names(module, names)  # the names peft's save_pretrained gives adapters -> the model's
 
-    def renamer(prefix: str) -> Callable[[str], str]:
+    def source_name(key: str) -> str:
+        name = canonical_name(key, names)
+        return saved_as.get(name, name)
+
+    targets = [canonical_name(n, names) for n, _ in module.named_parameters(remove_duplicate=False)]
+    strip_source, strip_target = align_prefixes((source_name(k) for k in source.keys()), targets)
+
+    def renamer(prefix: str, canonical: Callable[[str], str]) -> Callable[[str], str]:
         def rename(name: str) -> str:
-            name = canonical_name(name, names)
+            name = canonical(name)
             return name[len(prefix) :] if prefix and name.startswith(prefix) else name
 
         return rename
 
-    plan = plan_load(module, source, rename_source=renamer(strip_source), rename_target=renamer(strip_target))
+    plan = plan_load(
+        module,
+        source,
+        rename_source=renamer(strip_source, source_name),
+        rename_target=renamer(strip_target, lambda n: canonical_name(n, names)),
+    )
     adapter_params = adapter_tensors(module)
     if adapters_only:
         missing = [n for n in plan.missing if n in adapter_params]
         if not adapter_params:
             raise CheckpointFileError(
                 f"{type(module).__name__} has no peft adapters to load saved adapters into. Wrap it with"
-                " `get_peft_model(model, LoraConfig.from_pretrained(adapter_dir))` first."
+                " `get_peft_model(model, PeftConfig.from_pretrained(adapter_dir))` first."
             )
     else:
         fresh = adapter_params | {name for name, _ in module.named_buffers()}  # keep their init when not in source
@@ -126,7 +138,8 @@ def check_pretrained(
     if problems and adapters_only:
         raise CheckpointFileError(
             f"Cannot load saved adapters into {type(module).__name__}: " + ". ".join(problems)
-            + ". Build the LoRA configuration from the adapter directory: LoraConfig.from_pretrained(adapter_dir)."
+            + ". Build the adapter's configuration from its directory: PeftConfig.from_pretrained(adapter_dir) (which"
+            " returns the saved LoraConfig, IA3Config, ...)."
         )
     if problems:
         raise CheckpointFileError(f"Cannot load pretrained weights into {type(module).__name__}: " + ". ".join(problems))
