@@ -156,12 +156,31 @@ def test_from_pretrained_under_meta_init_is_refused_not_silently_dropped(tmp_pat
 
 
 # =========================================================================== peft tuners beyond LoRA
-def _peft_config(method: str):
-    from peft import IA3Config, LoraConfig
+METHODS = ["dora", "ia3", "loha", "lokr", "vera", "adalora", "rslora", "modules_to_save", "embedding"]
+# Adapter tensors peft draws at random (so not comparable with an eager build): every other one is compared.
+RANDOM = {"lora_A", "lora_embedding_B", "hada_w1_a", "hada_w1_b", "hada_w2_a", "lokr_w2", "lokr_w1_b", "lokr_w2_a"}
 
-    if method == "dora":
-        return LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], use_dora=True)
-    return IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"])
+
+def _peft_config(method: str):
+    import peft
+
+    targets = ["q_proj", "v_proj"]
+    return {
+        "dora": lambda: peft.LoraConfig(r=4, lora_alpha=8, target_modules=targets, use_dora=True),
+        "ia3": lambda: peft.IA3Config(target_modules=["k_proj", "v_proj", "down_proj"], feedforward_modules=["down_proj"]),
+        "loha": lambda: peft.LoHaConfig(r=4, target_modules=targets),
+        "lokr": lambda: peft.LoKrConfig(r=4, target_modules=targets),
+        "vera": lambda: peft.VeraConfig(r=4, target_modules=targets, save_projection=True),
+        "adalora": lambda: peft.AdaLoraConfig(r=4, target_modules=targets, total_step=10),
+        "rslora": lambda: peft.LoraConfig(r=4, target_modules=targets, use_rslora=True),
+        "modules_to_save": lambda: peft.LoraConfig(r=4, target_modules=targets, modules_to_save=["lm_head"]),
+        "embedding": lambda: peft.LoraConfig(r=4, target_modules=["embed_tokens", "q_proj"]),
+    }[method]()
+
+
+def _deterministic(method: str, names) -> list[str]:
+    random = RANDOM | ({"lora_B"} if method == "adalora" else set())
+    return [n for n in names if not random.intersection(n.split("."))]
 
 
 class PeftProbe(L.LightningModule):
@@ -184,10 +203,11 @@ class PeftProbe(L.LightningModule):
             self.model = get_peft_model(base, _peft_config(self.method))
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
-        adapters = {
+        tensors = [*self.model.named_parameters(), *self.model.named_buffers()]
+        adapters = {  # trainable adapters, and VeRA's frozen shared projections
             n: (p.full_tensor() if hasattr(p, "full_tensor") else p).detach().clone()
-            for n, p in self.model.named_parameters()
-            if p.requires_grad
+            for n, p in tensors
+            if p.requires_grad or ".vera_" in n
         }
         self.facts = {"logits": probe_logits(self.model), "adapters": adapters}
 
@@ -202,20 +222,27 @@ def _fresh_adapters(pretrained: str, method: str) -> dict:
     return module.facts
 
 
-@pytest.mark.parametrize("method", ["dora", "ia3"])
-def test_dora_and_ia3_adapters_start_as_peft_starts_them_on_the_loaded_base(method: str, pretrained) -> None:
-    """DoRA's magnitudes are the row norms of the *loaded* weights; IA3's vectors are ones: equal to peft's own
-    eager initialization on `from_pretrained`'s model, and so are the logits."""
+def _eager_adapters(model) -> dict:
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    return {n: p.detach() for n, p in tensors if p.requires_grad or ".vera_" in n}
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_peft_adapters_start_as_peft_starts_them_on_the_loaded_base(method: str, pretrained) -> None:
+    """Every peft tuner's own initialization, on the sharded model after load_pretrained: DoRA's magnitudes are the
+    row norms of the *loaded* weights, IA3's vectors ones, LoHa/LoKr/AdaLoRA zero factors, VeRA's projections from its
+    PRNG key: equal to peft's eager initialization on `from_pretrained`'s model (random draws aside), and so are the
+    logits."""
     from peft import get_peft_model
     from transformers import LlamaForCausalLM
 
     result = run_distributed(_fresh_adapters, 2, str(pretrained), method)[0]
     torch.manual_seed(0)
     eager = get_peft_model(LlamaForCausalLM.from_pretrained(pretrained), _peft_config(method))
-    expected = {n: p.detach() for n, p in eager.named_parameters() if p.requires_grad}
-    deterministic = [n for n in expected if "lora_A" not in n]  # lora_A is random (Kaiming)
+    expected = _eager_adapters(eager)
     assert result["adapters"].keys() == expected.keys()
-    assert deterministic and any(("magnitude" in n or "ia3_l" in n) for n in deterministic)
+    deterministic = _deterministic(method, expected)
+    assert deterministic, "nothing to compare"
     for name in deterministic:
         assert torch.allclose(result["adapters"][name], expected[name], atol=1e-6), name
     assert torch.allclose(result["logits"], probe_logits(eager), atol=1e-5)
@@ -243,10 +270,11 @@ def _from_saved_adapter(pretrained: str, method: str, adapter_dir: str) -> dict:
     return module.facts
 
 
-@pytest.mark.parametrize("method", ["dora", "ia3"])
-def test_dora_and_ia3_adapters_saved_by_peft_load_with_load_adapter(method: str, pretrained, tmp_path) -> None:
-    """peft saves DoRA's magnitudes without `.weight` and IA3's vectors without the adapter name; load_adapter follows
-    peft's own naming (get_peft_model_state_dict) and gives the eager model's logits."""
+@pytest.mark.parametrize("method", METHODS)
+def test_adapters_saved_by_peft_load_with_load_adapter(method: str, pretrained, tmp_path) -> None:
+    """peft saves some adapters under other names than the model's (DoRA's magnitudes without `.weight`, IA3's vectors
+    without the adapter name, ...); load_adapter follows peft's own naming (get_peft_model_state_dict) and gives the
+    eager model's adapters and logits."""
     from peft import get_peft_model
     from transformers import LlamaForCausalLM
 
@@ -258,7 +286,6 @@ def test_dora_and_ia3_adapters_saved_by_peft_load_with_load_adapter(method: str,
                 param.add_(torch.randn_like(param) * 0.1)  # every adapter tensor moved off its initial value
     eager.save_pretrained(tmp_path / "adapter")
     result = run_distributed(_from_saved_adapter, 2, str(pretrained), method, str(tmp_path / "adapter"))[0]
-    for name, param in eager.named_parameters():
-        if param.requires_grad:
-            assert torch.allclose(result["adapters"][name], param.detach(), atol=1e-6), name
+    for name, value in _eager_adapters(eager).items():
+        assert torch.allclose(result["adapters"][name], value, atol=1e-6), name
     assert torch.allclose(result["logits"], probe_logits(eager), atol=1e-5)

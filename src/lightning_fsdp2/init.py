@@ -182,9 +182,10 @@ def initialize_module(module: nn.Module, materialized: list[str], rules: list[In
        ``nn.Transformer``), children before parents, just as constructors run.
     2. Hugging Face: each outermost ``PreTrainedModel``'s ``initialize_weights()`` (its ``_init_weights``), which
        also recomputes rotary ``inv_freq`` buffers.
-    3. peft: ``reset_lora_parameters`` with each adapter's own ``init_lora_weights`` (``lora_B`` zero), and IA3's
-       ``reset_ia3_parameters`` (ones), last, since adapters are injected after the base model is built. DoRA's
-       magnitudes derive from the loaded base weights: :func:`initialize_from_loaded` gives them values later.
+    3. peft: ``reset_lora_parameters`` with each adapter's own ``init_lora_weights`` (``lora_B`` zero; AdaLoRA's
+       own), then the other tuners' reset methods (IA3, LoHa, LoKr, VeRA), last, since adapters are injected after
+       the base model is built. DoRA's magnitudes derive from the loaded base weights:
+       :func:`initialize_from_loaded` gives them values later.
 
     Only modules holding a materialized tensor are touched, so values that were real before (buffers computed during
     construction, parts built outside ``meta``) survive. On CPU meshes, where DTensor has no distributed RNG, random
@@ -201,7 +202,7 @@ def initialize_module(module: nn.Module, materialized: list[str], rules: list[In
 
 def default_init_rules() -> list[InitRule]:
     """The rules :func:`initialize_module` applies by default, in order."""
-    return [reset_parameters_rule, hf_init_rule, peft_lora_rule, peft_ia3_rule]
+    return [reset_parameters_rule, hf_init_rule, peft_lora_rule, peft_tuner_rule]
 
 
 @torch.no_grad()
@@ -249,8 +250,10 @@ def hf_init_rule(module: nn.Module, materialized: set[str]) -> None:
 
 
 def peft_lora_rule(module: nn.Module, materialized: set[str]) -> None:
-    """Initialize LoRA adapters as peft does, with each adapter's own ``init_lora_weights`` setting."""
+    """Initialize LoRA adapters as peft does, with each adapter's own ``init_lora_weights`` setting (AdaLoRA too, with
+    its own ``reset_lora_parameters`` and its rank counter)."""
     try:
+        from peft.tuners.adalora import AdaLoraLayer
         from peft.tuners.lora import LoraLayer
     except ImportError:
         return
@@ -261,6 +264,11 @@ def peft_lora_rule(module: nn.Module, materialized: set[str]) -> None:
             continue
         for adapter in list(sub.lora_A.keys()) + list(sub.lora_embedding_A.keys()):
             init = getattr(configs.get(adapter), "init_lora_weights", True)
+            if isinstance(sub, AdaLoraLayer):
+                sub.ranknum[adapter].fill_(float(sub.r[adapter]))  # a constant, built on meta like the rest
+                if init:
+                    sub.reset_lora_parameters(adapter)
+                continue  # else peft keeps its standard-normal draws: reset_parameters_rule left them NaN, see check
             if not (isinstance(init, bool) or (isinstance(init, str) and init.lower() == "gaussian")):
                 raise ValueError(
                     f"LoRA adapter {adapter!r} at {name!r} uses init_lora_weights={init!r}, which derives adapters"
@@ -270,24 +278,68 @@ def peft_lora_rule(module: nn.Module, materialized: set[str]) -> None:
             sub.reset_lora_parameters(adapter, init)
 
 
-def peft_ia3_rule(module: nn.Module, materialized: set[str]) -> None:
-    """Initialize IA3 vectors as peft does: ones (``reset_ia3_parameters``) with ``init_ia3_weights=True`` (its
-    default), else a standard normal draw, as peft's ``update_layer``."""
+def peft_tuner_rule(module: nn.Module, materialized: set[str]) -> None:
+    """Initialize the adapters of peft's other tuners with their own reset methods, as their ``update_layer`` does:
+    IA3 ``reset_ia3_parameters`` (ones; a normal draw with ``init_ia3_weights=False``), LoHa/LoKr
+    ``reset_adapter_parameters`` (``_random``, LoKr's ``_lycoris_way``, by ``init_weights``), VeRA
+    ``reset_vera_parameters`` (``d_initial``)."""
     try:
         from peft.tuners.ia3 import IA3Layer
+        from peft.tuners.loha import LoHaLayer
+        from peft.tuners.lokr import LoKrLayer
+        from peft.tuners.vera import VeraLayer
     except ImportError:
         return
     configs = _peft_configs(module)
+    holders = _modules_holding(module, materialized)
     for name, sub in module.named_modules():
-        if not isinstance(sub, IA3Layer):
+        if name not in holders:
             continue
-        for adapter, vector in sub.ia3_l.items():
-            if f"{name}.ia3_l.{adapter}" not in materialized:
-                continue
-            if getattr(configs.get(adapter), "init_ia3_weights", True):
-                sub.reset_ia3_parameters(adapter)
-            else:
-                vector.normal_()
+        if isinstance(sub, IA3Layer):
+            for adapter, vector in sub.ia3_l.items():
+                if getattr(configs.get(adapter), "init_ia3_weights", True):
+                    sub.reset_ia3_parameters(adapter)
+                else:
+                    vector.normal_()
+        elif isinstance(sub, (LoHaLayer, LoKrLayer)):
+            for adapter in sub._available_adapters:
+                init = getattr(configs.get(adapter), "init_weights", True)
+                if init == "lycoris" and isinstance(sub, LoKrLayer):
+                    sub.reset_adapter_parameters_lycoris_way(adapter)
+                elif init:
+                    sub.reset_adapter_parameters(adapter)
+                else:
+                    sub.reset_adapter_parameters_random(adapter)
+        elif isinstance(sub, VeraLayer):
+            for adapter in sub.vera_lambda_d.keys():
+                config = configs.get(adapter)
+                if getattr(config, "init_weights", True):
+                    sub.reset_vera_parameters(adapter, d_initial=getattr(config, "d_initial", 0.1))
+    _vera_projections(module, materialized)
+
+
+def _vera_projections(module: nn.Module, materialized: set[str]) -> None:
+    """VeRA's frozen random projections, shared by all its layers, drawn from the config's ``projection_prng_key``.
+    peft moves them to the base layers' device, ``meta`` here; they are drawn again the way peft's
+    ``VeraModel._init_vera_A_vera_B`` draws them (its ``_kaiming_init`` on a CPU generator seeded with the key, A then
+    B; that method itself cannot run again on the wrapped model), and every layer's copy gets those values."""
+    from peft.tuners.vera import VeraLayer, VeraModel
+    from peft.tuners.vera.model import _kaiming_init
+
+    for prefix, model in module.named_modules():
+        if not isinstance(model, VeraModel):
+            continue
+        for adapter, config in model.peft_config.items():
+            shared = model.vera_A[adapter], model.vera_B[adapter]
+            generator = torch.Generator(device="cpu").manual_seed(config.projection_prng_key)
+            drawn = [_kaiming_init(tuple(t.shape), generator=generator) for t in shared]
+            for name, layer in model.named_modules():
+                if not isinstance(layer, VeraLayer) or adapter not in layer.vera_A:
+                    continue
+                full = f"{prefix}.{name}" if prefix else name
+                for attr, values in zip(("vera_A", "vera_B"), drawn):
+                    if f"{full}.{attr}.{adapter}" in materialized:
+                        getattr(layer, attr)[adapter].copy_(values)
 
 
 def peft_dora_rule(module: nn.Module, materialized: set[str]) -> None:

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
 from torch import Tensor, nn
@@ -51,22 +51,19 @@ def adapter_names(module: nn.Module) -> frozenset[str]:
     return frozenset(names)
 
 
-def peft_saved_names(module: nn.Module, adapters: frozenset[str]) -> dict[str, str]:
-    """For each peft model in ``module``: the canonical name peft's ``save_pretrained`` gives each adapter tensor ->
-    the canonical name of the tensor in the model.
+def _peft_saved(module: nn.Module) -> Iterator[tuple[str, str, str]]:
+    """For each adapter tensor peft's ``save_pretrained`` writes, from each peft model in ``module``: (the peft
+    model's name in ``module``, the key peft saves it under, its name in the peft model's state dict).
 
-    peft saves some tensors under other names than the model's (DoRA's ``lora_magnitude_vector`` without
-    ``.weight``, IA3's ``ia3_l`` without the adapter name, ...). Its own ``get_peft_model_state_dict`` makes those
-    names from the model's state dict, keeping the tensors: matching them by identity gives the translation, for
-    every tuner, without a table of ours.
+    peft's own ``get_peft_model_state_dict`` makes the saved keys from the model's state dict and keeps the tensors:
+    matching them by identity gives the correspondence, for every tuner, without a table of ours.
     """
     try:
         from peft import PeftModel
         from peft.utils import get_peft_model_state_dict
     except ImportError:
-        return {}
-    out: dict[str, str] = {}
-    for sub in module.modules():
+        return
+    for prefix, sub in module.named_modules():
         if not isinstance(sub, PeftModel):
             continue
         state = sub.state_dict()
@@ -74,8 +71,23 @@ def peft_saved_names(module: nn.Module, adapters: frozenset[str]) -> dict[str, s
         for adapter in sub.peft_config:
             for key, value in get_peft_model_state_dict(sub, state_dict=state, adapter_name=adapter).items():
                 if id(value) in by_id:
-                    out.setdefault(canonical_name(key, adapters), canonical_name(by_id[id(value)], adapters))
+                    yield prefix, key, by_id[id(value)]
+
+
+def peft_saved_names(module: nn.Module, adapters: frozenset[str]) -> dict[str, str]:
+    """The canonical name under which peft's ``save_pretrained`` writes an adapter tensor -> its canonical name in the
+    model, where the two differ (DoRA's ``lora_magnitude_vector`` without ``.weight``, IA3's ``ia3_l`` without the
+    adapter name, ``modules_to_save`` under the original layer's name, ...)."""
+    out: dict[str, str] = {}
+    for _, saved, name in _peft_saved(module):
+        out.setdefault(canonical_name(saved, adapters), canonical_name(name, adapters))
     return {saved: name for saved, name in out.items() if saved != name}
+
+
+def peft_saved_tensors(module: nn.Module) -> set[str]:
+    """Names (relative to ``module``) of the parameters peft's ``save_pretrained`` writes for the adapters of the peft
+    models in ``module``; empty without peft."""
+    return {f"{prefix}.{name}" if prefix else name for prefix, _, name in _peft_saved(module)}
 
 
 def adapter_tensors(module: nn.Module) -> set[str]:

@@ -2,9 +2,10 @@
 
 from __future__ import annotations
 
+import itertools
 import warnings
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 from torch import nn
@@ -18,6 +19,7 @@ from lightning_fsdp2.checkpoint.plan import (
     canonical_name,
     listing,
     peft_saved_names,
+    peft_saved_tensors,
     plan_load,
     run_plan,
 )
@@ -33,6 +35,12 @@ class _PendingLoad:
     source: PretrainedSource
     strict: bool
     adapters_only: bool = False
+    # Loads run in the order they were declared: a later one (saved adapters, after the base model's weights) may
+    # cover tensors an earlier one also wrote (peft's `modules_to_save` copies start as the base layer's weights).
+    order: int = field(default_factory=lambda: next(_declared))
+
+
+_declared = itertools.count()
 
 
 def load_pretrained(module: nn.Module, source: PretrainedSource, *, strict: bool = True) -> None:
@@ -116,7 +124,10 @@ def check_pretrained(
     )
     adapter_params = adapter_tensors(module)
     if adapters_only:
-        missing = [n for n in plan.missing if n in adapter_params]
+        # Required: what peft's save_pretrained writes. Tensors it leaves out (AdaLoRA's rank counter) keep their
+        # initialization.
+        saved = peft_saved_tensors(module)
+        missing = [n for n in plan.missing if n in adapter_params and (not saved or n in saved)]
         if not adapter_params:
             raise CheckpointFileError(
                 f"{type(module).__name__} has no peft adapters to load saved adapters into. Wrap it with"
@@ -170,14 +181,18 @@ class PendingPretrained:
 
 def pending_pretrained(root: nn.Module) -> PendingPretrained:
     """Collect and plan the loads that :func:`load_pretrained` deferred on ``root`` and its submodules."""
-    loads: list[tuple[str, Any, LoadPlan]] = []
-    for prefix, sub in root.named_modules():
+    declared = [
+        (pending, prefix, sub)
+        for prefix, sub in root.named_modules()
         # `__dict__`, not getattr: a PeftModel forwards unknown attributes to the model it wraps.
-        for pending in sub.__dict__.get(_PENDING, []):
-            source = open_source(pending.source)
-            # Unexpected keys were warned about when load_pretrained was called; once is enough.
-            plan = check_pretrained(sub, source, strict=pending.strict, warn=False, adapters_only=pending.adapters_only)
-            loads.append((prefix, source, plan))
+        for pending in sub.__dict__.get(_PENDING, [])
+    ]
+    loads: list[tuple[str, Any, LoadPlan]] = []
+    for pending, prefix, sub in sorted(declared, key=lambda d: d[0].order):
+        source = open_source(pending.source)
+        # Unexpected keys were warned about when load_pretrained was called; once is enough.
+        plan = check_pretrained(sub, source, strict=pending.strict, warn=False, adapters_only=pending.adapters_only)
+        loads.append((prefix, source, plan))
     return PendingPretrained(loads)
 
 
