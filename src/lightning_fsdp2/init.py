@@ -268,7 +268,10 @@ def peft_lora_rule(module: nn.Module, materialized: set[str]) -> None:
                 sub.ranknum[adapter].fill_(float(sub.r[adapter]))  # a constant, built on meta like the rest
                 if init:
                     sub.reset_lora_parameters(adapter)
-                continue  # else peft keeps its standard-normal draws: reset_parameters_rule left them NaN, see check
+                else:  # peft keeps the standard-normal draws it created them with
+                    for tensor in (sub.lora_A[adapter], sub.lora_E[adapter], sub.lora_B[adapter]):
+                        tensor.normal_()
+                continue
             if not (isinstance(init, bool) or (isinstance(init, str) and init.lower() == "gaussian")):
                 raise ValueError(
                     f"LoRA adapter {adapter!r} at {name!r} uses init_lora_weights={init!r}, which derives adapters"
