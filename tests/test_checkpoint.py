@@ -502,3 +502,15 @@ def test_twice_wrapped_adapters_keep_distinct_names_and_load(tmp_path: Path) -> 
     expected = probe_logits(eager)
     for rank_logits in logits:
         assert torch.allclose(rank_logits, expected, atol=1e-5), (rank_logits - expected).abs().max()
+
+
+def test_a_checkpoint_transformers_converts_on_load_is_named_as_such(tmp_path: Path) -> None:
+    """Qwen3-MoE's save_pretrained writes one tensor per expert; in memory they are fused. Not converted yet: the
+    error says which conversion transformers would apply."""
+    from transformers import Qwen3MoeForCausalLM
+
+    Qwen3MoeForCausalLM(_moe_config()).save_pretrained(tmp_path)
+    with pytest.raises(CheckpointFileError, match=r"transformers converts Qwen3MoeForCausalLM's checkpoints on load "
+                       r"\(mlp\.experts\.\*\.gate_proj\.weight \+ mlp\.experts\.\*\.up_proj\.weight -> "
+                       r"mlp\.experts\.gate_up_proj\)"):
+        load_pretrained(Qwen3MoeForCausalLM(_moe_config()), tmp_path)

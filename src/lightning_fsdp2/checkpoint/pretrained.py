@@ -153,10 +153,39 @@ def check_pretrained(
             " returns the saved LoraConfig, IA3Config, ...)."
         )
     if problems:
-        raise CheckpointFileError(f"Cannot load pretrained weights into {type(module).__name__}: " + ". ".join(problems))
+        raise CheckpointFileError(
+            f"Cannot load pretrained weights into {type(module).__name__}: " + ". ".join(problems)
+            + conversion_hint(module, missing)
+        )
     if plan.unexpected and warn:
         warnings.warn(f"Ignoring {len(plan.unexpected)} key(s) that fit nothing in the model: {listing(plan.unexpected)}")
     return plan
+
+
+def conversion_hint(module: nn.Module, missing: list[str]) -> str:
+    """A sentence for a load error when transformers converts this model's checkpoints on load (e.g. MoE experts
+    stored one tensor per expert, fused in memory) and a missing name is one its conversions produce."""
+    try:
+        from transformers import PreTrainedModel
+        from transformers.conversion_mapping import extract_weight_conversions_for_model
+    except ImportError:
+        return ""
+    import fnmatch
+
+    for sub in module.modules():
+        if not isinstance(sub, PreTrainedModel):
+            continue
+        for transform in extract_weight_conversions_for_model(sub) or []:
+            targets = [p for p in getattr(transform, "target_patterns", []) if isinstance(p, str)]
+            sources = [p for p in getattr(transform, "source_patterns", []) if isinstance(p, str)]
+            if any(fnmatch.fnmatch(n, f"*{t}*") for n in missing for t in targets):
+                return (
+                    f". transformers converts {type(sub).__name__}'s checkpoints on load ({' + '.join(sources)} ->"
+                    f" {', '.join(targets)}); load_pretrained does not apply transformers' conversions yet (see"
+                    " docs/support.md). Meanwhile, build the model with from_pretrained under"
+                    " FSDP2Strategy(meta_init=False)"
+                )
+    return ""
 
 
 @dataclass
