@@ -6,8 +6,9 @@ This module only orchestrates. The model's road through ``setup`` is, in order (
 2. the precision plugin converts the module (``*-true``: parameters stored in bf16/fp16);
 3. activation checkpointing on the chosen modules (``wrap.py``), before any FSDP hook exists;
 4. ``fully_shard`` bottom-up, then the root (``wrap.py``);
-5. each rank materializes its own shards, loads the slices of pretrained weights that ``load_pretrained``
-   declared (``checkpoint/pretrained.py``), initializes the rest, then checks nothing was left unset (``init.py``);
+5. each rank materializes its own shards, initializes what no pretrained weights cover, loads the slices of
+   pretrained weights that ``load_pretrained`` declared (``checkpoint/pretrained.py``), derives what depends on them
+   (DoRA magnitudes), then checks nothing was left unset (``init.py``);
 6. the optimizer is created over the sharded ``DTensor`` parameters (Lightning's ``setup_optimizers``).
 
 Checkpoints are saved and loaded by ``checkpoint/formats.py``, in the format ``state_dict_type`` names.
