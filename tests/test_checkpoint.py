@@ -514,3 +514,32 @@ def test_a_checkpoint_transformers_converts_on_load_is_named_as_such(tmp_path: P
                        r"\(mlp\.experts\.\*\.gate_proj\.weight \+ mlp\.experts\.\*\.up_proj\.weight -> "
                        r"mlp\.experts\.gate_up_proj\)"):
         load_pretrained(Qwen3MoeForCausalLM(_moe_config()), tmp_path)
+
+
+def test_load_pretrained_after_get_peft_model_with_modules_to_save(pretrained: Path) -> None:
+    """With modules_to_save the base layer and its trainable copy both start from the checkpoint's weight, from a
+    Hugging Face directory and from a whole peft state dict alike (peft saves the copy under the base layer's name in
+    adapter files only)."""
+    from peft import LoraConfig, get_peft_model
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    def build():
+        config = LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"])
+        return get_peft_model(LlamaForCausalLM(tiny_llama_config()), config)
+
+    head = {}
+    for file in pretrained.glob("*.safetensors"):
+        head.update({k: v for k, v in load_file(file).items() if k == "lm_head.weight"})
+    model = build()
+    load_pretrained(model, pretrained)
+    lm_head = model.base_model.model.lm_head
+    assert torch.equal(lm_head.original_module.weight, head["lm_head.weight"])
+    assert torch.equal(lm_head.modules_to_save["default"].weight, head["lm_head.weight"])
+    with torch.no_grad():
+        lm_head.modules_to_save["default"].weight.mul_(2)  # the copy trained away from the base
+    state = model.state_dict()
+    again = build()
+    load_pretrained(again, state)
+    for key, value in again.state_dict().items():
+        assert torch.equal(value, state[key]), key

@@ -305,7 +305,7 @@ def peft_tuner_rule(module: nn.Module, materialized: set[str]) -> None:
                 else:
                     vector.normal_()
         elif isinstance(sub, (LoHaLayer, LoKrLayer)):
-            for adapter in sub._available_adapters:
+            for adapter in sorted(sub._available_adapters):  # a set: the same order (of random draws) on every rank
                 init = getattr(configs.get(adapter), "init_weights", True)
                 if init == "lycoris" and isinstance(sub, LoKrLayer):
                     sub.reset_adapter_parameters_lycoris_way(adapter)
@@ -318,6 +318,9 @@ def peft_tuner_rule(module: nn.Module, materialized: set[str]) -> None:
                 config = configs.get(adapter)
                 if getattr(config, "init_weights", True):
                     sub.reset_vera_parameters(adapter, d_initial=getattr(config, "d_initial", 0.1))
+                else:  # what peft's update_layer created them with
+                    sub.vera_lambda_b[adapter].fill_(1.0)
+                    sub.vera_lambda_d[adapter].normal_()
     _vera_projections(module, materialized)
 
 

@@ -57,7 +57,13 @@ from lightning_fsdp2.init import (
     meta_tensor_names,
 )
 from lightning_fsdp2.precision import FSDP2Precision
-from lightning_fsdp2.wrap import ModulePolicy, apply_activation_checkpointing, shard_model
+from lightning_fsdp2.wrap import (
+    ModulePolicy,
+    apply_activation_checkpointing,
+    kv_cache_configs,
+    no_kv_cache,
+    shard_model,
+)
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -161,6 +167,7 @@ class FSDP2Strategy(ParallelStrategy):
         self._async_save = async_save
         self._background: ckpt.BackgroundWriter | None = None  # made in setup_environment (it makes a process group)
         self._failed = False  # an exception ended the run: teardown must not wait for the other ranks
+        self._kv_cache_configs: list[Any] = []  # models whose KV cache is off during training steps (see wrap.py)
         self._torn_down = False
         self._device_mesh: DeviceMesh | None = None
         self.num_nodes = 1
@@ -288,7 +295,8 @@ class FSDP2Strategy(ParallelStrategy):
         pretrained = ckpt.pending_pretrained(module)
         module = self.precision_plugin.convert_module(module)
         if self._activation_checkpointing_policy is not None:
-            apply_activation_checkpointing(module, self._activation_checkpointing_policy)
+            checkpointed = apply_activation_checkpointing(module, self._activation_checkpointing_policy)
+            self._kv_cache_configs = kv_cache_configs(module, checkpointed)
         shard_model(
             module,
             self.device_mesh,
@@ -326,8 +334,9 @@ class FSDP2Strategy(ParallelStrategy):
             return getattr(module, name)(*args, **kwargs)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module's ``training_step``."""
-        return self._step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
+        """Run the module's ``training_step`` (with the key/value cache of checkpointed Hugging Face models off)."""
+        with no_kv_cache(self._kv_cache_configs):
+            return self._step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's ``validation_step``."""

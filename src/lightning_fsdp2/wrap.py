@@ -9,8 +9,9 @@ norm, head).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Union
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from typing import Any, Union
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -73,26 +74,38 @@ def apply_activation_checkpointing(model: nn.Module, policy: ModulePolicy) -> li
     chosen = [(name, module) for name, module in model.named_modules() if name and select(name, module)]
     for _, module in chosen:
         checkpoint(module)
-    disable_kv_cache(model, [module for _, module in chosen])
     return [name for name, _ in chosen]
 
 
-def disable_kv_cache(model: nn.Module, checkpointed: list[nn.Module]) -> list[str]:
-    """Set ``config.use_cache = False`` on the Hugging Face models that hold a checkpointed module; return their names.
+def kv_cache_configs(model: nn.Module, checkpointed: list[str]) -> list[Any]:
+    """The configs (``use_cache=True``) of the Hugging Face models in ``model`` that hold a checkpointed module.
 
     A model that returns its key/value cache from a training forward (T5 does by default) makes the recomputed forward
     save other tensors than the first one, which torch's checkpoint refuses ("A different number of tensors was
-    saved"). Hugging Face's own ``gradient_checkpointing_enable`` has the same effect: its models switch the cache off
-    while training with checkpointing. ``generate`` is unaffected: it takes ``use_cache`` from the generation config.
+    saved"). Transformers' own checkpointing turns the cache off for each training call; :func:`no_kv_cache` does the
+    same around each training step.
     """
-    inside = {id(m) for module in checkpointed for m in module.modules()}
-    changed = []
+    configs = []
     for name, sub in model.named_modules():
         config = getattr(sub, "config", None)
-        if getattr(config, "use_cache", False) and any(id(m) in inside for m in sub.modules()):
-            config.use_cache = False
-            changed.append(name)
-    return changed
+        holds = any(name == "" or c.startswith(f"{name}.") for c in checkpointed)
+        if getattr(config, "use_cache", False) and holds and all(config is not c for c in configs):
+            configs.append(config)
+    return configs
+
+
+@contextmanager
+def no_kv_cache(configs: list[Any]) -> Generator[None, None, None]:
+    """``use_cache = False`` on these model configs while the block runs (a training step), then as before: generation
+    and evaluation outside it keep the cache, and the config saved with the model is unchanged."""
+    before = [config.use_cache for config in configs]
+    for config in configs:
+        config.use_cache = False
+    try:
+        yield
+    finally:
+        for config, value in zip(configs, before):
+            config.use_cache = value
 
 
 def shard_model(

@@ -100,7 +100,10 @@ def check_pretrained(
     Required: every parameter but peft's adapters (a base model's weights), or with ``adapters_only`` every adapter
     parameter and nothing else (saved adapters)."""
     names = adapter_names(module)
-    saved_as = peft_saved_names(module, names)  # the names peft's save_pretrained gives adapters -> the model's
+    # A saved adapter directory names some tensors as peft's save_pretrained does, not as the model does; a whole
+    # checkpoint (a Hugging Face model, a full state dict) uses the model's own names, and there peft's saved names
+    # would collide with base weights (modules_to_save is saved under the original layer's name).
+    saved_as = peft_saved_names(module, names) if adapters_only else {}
 
     def source_name(key: str) -> str:
         name = canonical_name(key, names)
