@@ -504,18 +504,6 @@ def test_twice_wrapped_adapters_keep_distinct_names_and_load(tmp_path: Path) -> 
         assert torch.allclose(rank_logits, expected, atol=1e-5), (rank_logits - expected).abs().max()
 
 
-def test_a_checkpoint_transformers_converts_on_load_is_named_as_such(tmp_path: Path) -> None:
-    """Qwen3-MoE's save_pretrained writes one tensor per expert; in memory they are fused. Not converted yet: the
-    error says which conversion transformers would apply."""
-    from transformers import Qwen3MoeForCausalLM
-
-    Qwen3MoeForCausalLM(_moe_config()).save_pretrained(tmp_path)
-    with pytest.raises(CheckpointFileError, match=r"transformers converts Qwen3MoeForCausalLM's checkpoints on load "
-                       r"\(mlp\.experts\.\*\.gate_proj\.weight \+ mlp\.experts\.\*\.up_proj\.weight -> "
-                       r"mlp\.experts\.gate_up_proj\)"):
-        load_pretrained(Qwen3MoeForCausalLM(_moe_config()), tmp_path)
-
-
 def test_load_pretrained_after_get_peft_model_with_modules_to_save(pretrained: Path) -> None:
     """With modules_to_save the base layer and its trainable copy both start from the checkpoint's weight, from a
     Hugging Face directory and from a whole peft state dict alike (peft saves the copy under the base layer's name in
@@ -543,3 +531,63 @@ def test_load_pretrained_after_get_peft_model_with_modules_to_save(pretrained: P
     load_pretrained(again, state)
     for key, value in again.state_dict().items():
         assert torch.equal(value, state[key]), key
+
+
+# =========================================================================== checkpoints transformers converts on load
+def _converted_model(name: str):
+    """A tiny model whose save_pretrained files transformers converts on load, and an input for it."""
+    import transformers as tf
+
+    lm = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+    if name == "qwen3_moe":
+        return tf.Qwen3MoeForCausalLM(_moe_config()), TokenDataset(2).data
+    if name == "qwen2_moe":
+        config = tf.Qwen2MoeConfig(**lm, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
+                                   num_experts_per_tok=2)
+        return tf.Qwen2MoeForCausalLM(config), TokenDataset(2).data
+    if name == "mixtral":
+        return tf.MixtralForCausalLM(tf.MixtralConfig(**lm, num_local_experts=4, num_experts_per_tok=2)), TokenDataset(2).data
+    config = tf.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+                          image_size=32, patch_size=8, num_labels=3)
+    return tf.ViTForImageClassification(config), torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+
+
+class ConvertedProbe(L.LightningModule):
+    def __init__(self, name: str, source: str) -> None:
+        super().__init__()
+        self.name, self.source, self.model = name, source, None
+        self.outputs: list[torch.Tensor] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model, _ = _converted_model(self.name)
+            load_pretrained(self.model, self.source)
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        self.outputs.append(self.model(self.inputs).logits.float())
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TokenDataset(1), batch_size=1)
+
+
+def _converted_outputs(name: str, source: str, inputs: torch.Tensor) -> torch.Tensor:
+    module = ConvertedProbe(name, source)
+    module.inputs = inputs
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), **quiet_trainer_kwargs())
+    trainer.validate(module, verbose=False)
+    return module.outputs[0]
+
+
+@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral", "vit"])
+def test_checkpoints_transformers_converts_on_load_give_from_pretrained_outputs(name: str, tmp_path: Path) -> None:
+    """save_pretrained writes MoE experts one tensor per expert (fused in memory) and ViT under its checkpoint names:
+    load_pretrained applies transformers' own conversions, and the sharded model equals from_pretrained's."""
+    torch.manual_seed(0)
+    model, inputs = _converted_model(name)
+    model.save_pretrained(tmp_path)
+    reference = type(model).from_pretrained(tmp_path)
+    with torch.no_grad():
+        expected = reference(inputs).logits.float()
+    for outputs in run_distributed(_converted_outputs, 2, name, str(tmp_path), inputs):
+        assert torch.allclose(outputs, expected, atol=1e-5), (outputs - expected).abs().max()

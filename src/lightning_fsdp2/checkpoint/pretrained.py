@@ -23,7 +23,7 @@ from lightning_fsdp2.checkpoint.plan import (
     plan_load,
     run_plan,
 )
-from lightning_fsdp2.checkpoint.sources import PretrainedSource, TensorSource, open_source
+from lightning_fsdp2.checkpoint.sources import ConvertedSource, PretrainedSource, TensorSource, open_source
 from lightning_fsdp2.init import materialized_later
 
 _PENDING = "_fsdp2_pretrained"  # on a meta-built module: the loads to run once it is sharded and materialized
@@ -77,7 +77,7 @@ def declare_load(module: nn.Module, source: PretrainedSource, *, strict: bool, a
     then the source must cover every adapter parameter and need not cover the base model."""
     # Checked now, while the user is still in configure_model, so that a wrong path or model fails before any
     # sharding; planned again after sharding, when get_peft_model may have renamed and added parameters.
-    opened = open_source(source)
+    opened = open_source(source) if adapters_only else with_conversions(module, open_source(source))
     plan = check_pretrained(module, opened, strict=strict, adapters_only=adapters_only)
     if any(p.is_meta for p in module.parameters()):
         if not materialized_later():
@@ -156,39 +156,25 @@ def check_pretrained(
             " returns the saved LoraConfig, IA3Config, ...)."
         )
     if problems:
-        raise CheckpointFileError(
-            f"Cannot load pretrained weights into {type(module).__name__}: " + ". ".join(problems)
-            + conversion_hint(module, missing)
-        )
+        raise CheckpointFileError(f"Cannot load pretrained weights into {type(module).__name__}: " + ". ".join(problems))
     if plan.unexpected and warn:
         warnings.warn(f"Ignoring {len(plan.unexpected)} key(s) that fit nothing in the model: {listing(plan.unexpected)}")
     return plan
 
 
-def conversion_hint(module: nn.Module, missing: list[str]) -> str:
-    """A sentence for a load error when transformers converts this model's checkpoints on load (e.g. MoE experts
-    stored one tensor per expert, fused in memory) and a missing name is one its conversions produce."""
+def with_conversions(module: nn.Module, source: TensorSource) -> TensorSource:
+    """``source`` as ``from_pretrained`` would read it into the Hugging Face model in ``module``: through the
+    checkpoint conversions transformers registers for that model (see :class:`sources.ConvertedSource`), when they
+    change any of its keys."""
     try:
         from transformers import PreTrainedModel
-        from transformers.conversion_mapping import extract_weight_conversions_for_model
     except ImportError:
-        return ""
-    import fnmatch
-
-    for sub in module.modules():
-        if not isinstance(sub, PreTrainedModel):
-            continue
-        for transform in extract_weight_conversions_for_model(sub) or []:
-            targets = [p for p in getattr(transform, "target_patterns", []) if isinstance(p, str)]
-            sources = [p for p in getattr(transform, "source_patterns", []) if isinstance(p, str)]
-            if any(fnmatch.fnmatch(n, f"*{t}*") for n in missing for t in targets):
-                return (
-                    f". transformers converts {type(sub).__name__}'s checkpoints on load ({' + '.join(sources)} ->"
-                    f" {', '.join(targets)}); load_pretrained does not apply transformers' conversions yet (see"
-                    " docs/support.md). Meanwhile, build the model with from_pretrained under"
-                    " FSDP2Strategy(meta_init=False)"
-                )
-    return ""
+        return source
+    model = next((m for m in module.modules() if isinstance(m, PreTrainedModel)), None)
+    if model is None:
+        return source
+    converted = ConvertedSource(source, model)
+    return converted if converted.converts else source
 
 
 @dataclass
@@ -222,6 +208,7 @@ def pending_pretrained(root: nn.Module) -> PendingPretrained:
     loads: list[tuple[str, Any, LoadPlan]] = []
     for pending, prefix, sub in sorted(declared, key=lambda d: d[0].order):
         source = open_source(pending.source)
+        source = source if pending.adapters_only else with_conversions(sub, source)
         # Unexpected keys were warned about when load_pretrained was called; once is enough.
         plan = check_pretrained(sub, source, strict=pending.strict, warn=False, adapters_only=pending.adapters_only)
         loads.append((prefix, source, plan))

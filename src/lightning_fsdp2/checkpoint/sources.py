@@ -174,3 +174,80 @@ def _open_index(index: Path) -> TensorSource:
     for file in sorted(set(files.values())):
         tensors.update(load_torch_file(file))
     return StateDictSource(tensors, str(index))
+
+
+class ConvertedSource:
+    """A source seen through transformers' own checkpoint conversions for ``model``: what ``from_pretrained`` reads.
+
+    transformers 5 converts some checkpoints while loading them: renamed keys, and MoE experts stored one tensor per
+    expert on disk but fused into one tensor in memory (``experts.*.gate_proj.weight`` + ``experts.*.up_proj.weight``
+    -> ``experts.gate_up_proj``). Its ``conversion_mapping`` lists those transforms for each model; here the same
+    transforms rename the source's keys (``core_model_loading.rename_source_key``) and build each fused tensor with
+    the converter's own operations. A renamed tensor is read a slice at a time as before; a fused one is built whole
+    on each rank that needs part of it (every source tensor it is made of is read), then sliced.
+    """
+
+    def __init__(self, source: TensorSource, model: Any) -> None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming, dot_natural_key, rename_source_key
+
+        self._source = source
+        transforms = get_model_conversion_mapping(model)
+        renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        self._renamed: dict[str, str] = {}  # target -> source key
+        self._fused: dict[str, tuple[Any, list[tuple[str, str]]]] = {}  # target -> (converter, [(pattern, key)])
+        for key in sorted(source.keys(), key=dot_natural_key):
+            target, pattern = rename_source_key(key, renamings, converters)
+            if pattern is None:
+                self._renamed.setdefault(target, key)
+                continue
+            converter = next(c for c in converters if pattern in c.source_patterns)
+            self._fused.setdefault(target, (converter, []))[1].append((pattern, key))
+        self._shapes = {t: tuple(source.shape(k)) for t, k in self._renamed.items()}
+        for target in self._fused:  # the fused shape, from the converter's operations on meta tensors
+            self._shapes[target] = tuple(self._build(target, meta=True).shape)
+
+    @property
+    def converts(self) -> bool:
+        """Whether any key is renamed or fused (else the plain source serves as well)."""
+        return bool(self._fused) or any(t != k for t, k in self._renamed.items())
+
+    def keys(self) -> list[str]:
+        """The converted names."""
+        return [*self._renamed, *self._fused]
+
+    def shape(self, key: str) -> tuple[int, ...]:
+        """The converted tensor's shape."""
+        return self._shapes[key]
+
+    def read(self, key: str, index: tuple[slice, ...]) -> Tensor:
+        """``tensor[index]``: a slice of a renamed tensor, or of a fused tensor built whole."""
+        if key in self._renamed:
+            return self._source.read(self._renamed[key], index)
+        return self._build(key)[index]
+
+    def where(self, key: str) -> str:
+        """Where the tensor (or the first of those it is fused from) comes from."""
+        return self._source.where(self._renamed[key] if key in self._renamed else self._fused[key][1][0][1])
+
+    def _build(self, target: str, meta: bool = False) -> Tensor:
+        import copy
+
+        import torch
+
+        converter, parts = self._fused[target]
+        converter = copy.copy(converter)  # its tensor collections are per use
+        converter.collected_tensors = type(converter.collected_tensors)(list)
+        converter.layer_targets = type(converter.layer_targets)(set)
+
+        def reader(key: str) -> Any:
+            shape = self._source.shape(key)
+            if meta:
+                return lambda: torch.empty(shape, device="meta")
+            return lambda: self._source.read(key, tuple(slice(0, n) for n in shape))
+
+        for pattern, key in parts:
+            converter.add_tensor(target, key, pattern, reader(key))
+        (tensor,) = converter.convert(target).values()
+        return tensor
