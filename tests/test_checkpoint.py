@@ -533,61 +533,87 @@ def test_load_pretrained_after_get_peft_model_with_modules_to_save(pretrained: P
         assert torch.equal(value, state[key]), key
 
 
-# =========================================================================== checkpoints transformers converts on load
-def _converted_model(name: str):
-    """A tiny model whose save_pretrained files transformers converts on load, and an input for it."""
+# =========================================================================== architectures, and checkpoints transformers converts
+def _tiny_model(name: str):
+    """A tiny model of architecture ``name`` and an input for it (keyword arguments of its forward)."""
     import transformers as tf
 
     lm = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
               num_key_value_heads=2, max_position_embeddings=64)
-    if name == "qwen3_moe":
-        return tf.Qwen3MoeForCausalLM(_moe_config()), TokenDataset(2).data
-    if name == "qwen2_moe":
-        config = tf.Qwen2MoeConfig(**lm, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4,
-                                   num_experts_per_tok=2)
-        return tf.Qwen2MoeForCausalLM(config), TokenDataset(2).data
-    if name == "mixtral":
-        return tf.MixtralForCausalLM(tf.MixtralConfig(**lm, num_local_experts=4, num_experts_per_tok=2)), TokenDataset(2).data
-    config = tf.ViTConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-                          image_size=32, patch_size=8, num_labels=3)
-    return tf.ViTForImageClassification(config), torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))
+    tokens = {"input_ids": TokenDataset(2).data}
+    seq2seq = {**tokens, "decoder_input_ids": TokenDataset(2, seed=1).data[:, :8]}
+    builders = {
+        "qwen3_moe": lambda: tf.Qwen3MoeForCausalLM(_moe_config()),
+        "qwen2_moe": lambda: tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+            **lm, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)),
+        "mixtral": lambda: tf.MixtralForCausalLM(tf.MixtralConfig(**lm, num_local_experts=4, num_experts_per_tok=2)),
+        "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64)),
+        "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**lm)),
+        "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**lm, head_dim=16)),
+        "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**lm)),
+        "gemma": lambda: tf.GemmaForCausalLM(tf.GemmaConfig(**lm, head_dim=16)),
+        "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(**lm, head_dim=16)),
+        "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**lm, pad_token_id=0)),
+        "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(
+            vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64, word_embed_proj_dim=64)),
+        "bert": lambda: tf.BertForSequenceClassification(tf.BertConfig(
+            vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            max_position_embeddings=64, num_labels=3)),
+        "t5": lambda: tf.T5ForConditionalGeneration(tf.T5Config(
+            vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0)),
+        "bart": lambda: tf.BartForConditionalGeneration(tf.BartConfig(
+            vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64)),
+        "vit": lambda: tf.ViTForImageClassification(tf.ViTConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=32,
+            patch_size=8, num_labels=3)),
+    }
+    inputs = {"t5": seq2seq, "bart": seq2seq}.get(name, tokens)
+    if name == "vit":
+        inputs = {"pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))}
+    return builders[name](), inputs
 
 
-class ConvertedProbe(L.LightningModule):
-    def __init__(self, name: str, source: str) -> None:
+class ArchitectureProbe(L.LightningModule):
+    def __init__(self, name: str, source: str, inputs: dict) -> None:
         super().__init__()
-        self.name, self.source, self.model = name, source, None
+        self.name, self.source, self.inputs, self.model = name, source, inputs, None
         self.outputs: list[torch.Tensor] = []
 
     def configure_model(self) -> None:
         if self.model is None:
-            self.model, _ = _converted_model(self.name)
+            self.model, _ = _tiny_model(self.name)
             load_pretrained(self.model, self.source)
 
     def validation_step(self, batch, batch_idx: int) -> None:
-        self.outputs.append(self.model(self.inputs).logits.float())
+        self.outputs.append(self.model(**self.inputs).logits.float())
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(TokenDataset(1), batch_size=1)
 
 
-def _converted_outputs(name: str, source: str, inputs: torch.Tensor) -> torch.Tensor:
-    module = ConvertedProbe(name, source)
-    module.inputs = inputs
+def _sharded_outputs(name: str, source: str, inputs: dict) -> torch.Tensor:
+    module = ArchitectureProbe(name, source, inputs)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), **quiet_trainer_kwargs())
     trainer.validate(module, verbose=False)
     return module.outputs[0]
 
 
-@pytest.mark.parametrize("name", ["qwen3_moe", "qwen2_moe", "mixtral", "vit"])
-def test_checkpoints_transformers_converts_on_load_give_from_pretrained_outputs(name: str, tmp_path: Path) -> None:
-    """save_pretrained writes MoE experts one tensor per expert (fused in memory) and ViT under its checkpoint names:
-    load_pretrained applies transformers' own conversions, and the sharded model equals from_pretrained's."""
+ARCHITECTURES = ["gpt2", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3", "opt", "bert", "t5", "bart",
+                 "qwen3_moe", "qwen2_moe", "mixtral", "vit"]
+
+
+@pytest.mark.parametrize("name", ARCHITECTURES)
+def test_load_pretrained_gives_from_pretrained_outputs_across_architectures(name: str, tmp_path: Path) -> None:
+    """A save_pretrained directory, built on meta, sharded at world size 2 and loaded with load_pretrained, gives the
+    outputs of from_pretrained's model in one process. MoE models (experts stored one tensor per expert, fused in
+    memory) and ViT (checkpoint names) go through transformers' own conversions."""
     torch.manual_seed(0)
-    model, inputs = _converted_model(name)
+    model, inputs = _tiny_model(name)
     model.save_pretrained(tmp_path)
     reference = type(model).from_pretrained(tmp_path)
     with torch.no_grad():
-        expected = reference(inputs).logits.float()
-    for outputs in run_distributed(_converted_outputs, 2, name, str(tmp_path), inputs):
+        expected = reference(**inputs).logits.float()
+    for outputs in run_distributed(_sharded_outputs, 2, name, str(tmp_path), inputs):
         assert torch.allclose(outputs, expected, atol=1e-5), (outputs - expected).abs().max()
