@@ -86,12 +86,16 @@ def gather_to_rank0(state: Any, same_as: Mapping[str, str] | None = None) -> Any
     return gathered if rank0 else {}
 
 
-def gather_tensor(tensor: Tensor, rank0: bool, copy: bool = True, discard: bool = False) -> Tensor | None:
+def gather_tensor(
+    tensor: Tensor, rank0: bool, copy: bool = True, discard: bool = False, scratch: Tensor | None = None
+) -> Tensor | None:
     """The whole of ``tensor`` (a ``DTensor`` or a plain tensor) in CPU memory on rank 0, ``None`` elsewhere; call on
     every rank. ``copy=False``: the result may be a view of the first rows of a padded receive buffer (contiguous, at
-    offset 0 of its storage), which saves a copy when only its bytes are needed. ``discard=True`` (rank 0, after a
-    failure): receive what the other ranks send, one shard's worth of memory at a time, and keep nothing, so that
-    they are not left waiting."""
+    offset 0 of its storage), which saves a copy when only its bytes are needed. ``scratch`` (rank 0, a flat
+    ``uint8`` tensor on the mesh's device, at least :func:`receive_bytes` long): receive into it instead of a new
+    buffer, so that gathering many tensors in turn reuses one block of memory (valid until the next call).
+    ``discard=True`` (rank 0, after a failure): receive what the other ranks send, one shard's worth of memory at a
+    time, and keep nothing, so that they are not left waiting."""
     from torch.distributed.tensor import DTensor, Shard
 
     # Always fresh memory: the result must never alias the live model (save_merged merges into it).
@@ -118,8 +122,13 @@ def gather_tensor(tensor: Tensor, rank0: bool, copy: bool = True, discard: bool 
     if discard:
         _drain(local, group, world)
         return None
+    shape = (world * chunk, *local.shape[1:])
     try:
-        buffer = torch.empty((world * chunk, *local.shape[1:]), dtype=local.dtype, device=local.device)
+        if scratch is not None and scratch.device.type == local.device.type:
+            nbytes = math.prod(shape) * local.element_size()
+            buffer = scratch[:nbytes].view(local.dtype).view(shape)
+        else:
+            buffer = torch.empty(shape, dtype=local.dtype, device=local.device)
     except BaseException:  # out of memory: still take what the others send, then fail
         _drain(local, group, world)
         raise
@@ -132,6 +141,17 @@ def gather_tensor(tensor: Tensor, rank0: bool, copy: bool = True, discard: bool 
     if full.device.type != "cpu":
         return full.cpu()
     return full.clone() if copy and world * chunk != rows else full  # torch.save of a view saves the padding too
+
+
+def receive_bytes(tensor: Tensor) -> int:
+    """Bytes of the padded buffer :func:`gather_tensor` receives ``tensor`` into on rank 0 (0 if not a ``DTensor``)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor) or tensor.ndim == 0 or tensor.shape[0] == 0:
+        return 0
+    parts = tensor.device_mesh.size()
+    rows = math.ceil(tensor.shape[0] / parts) * parts
+    return rows * math.prod(tensor.shape[1:]) * tensor.element_size()
 
 
 def _drain(local: Tensor, group: Any, world: int) -> None:

@@ -34,7 +34,7 @@ from lightning_fsdp2.checkpoint.files import (
     temporary_path,
     write_error,
 )
-from lightning_fsdp2.checkpoint.shards import gather_tensor
+from lightning_fsdp2.checkpoint.shards import gather_tensor, receive_bytes
 
 GATHERED_KEYS = ("state_dict", "optimizer_states")
 """The parts of a Lightning checkpoint that hold sharded tensors (the same structure on every rank)."""
@@ -63,6 +63,8 @@ def save_streamed(checkpoint: Mapping[str, Any], path: str | os.PathLike, same_a
     # From here on every rank walks the same structure to the end, whatever happens on rank 0: a rank that stopped
     # sending or receiving halfway would leave the others waiting forever. Rank 0's writer records its first error.
     writer = _Writer(path, needed=_nbytes(checkpoint)) if rank0 else None
+    if writer is not None:
+        writer.largest = max((receive_bytes(t) for t in _tensors(checkpoint)), default=0)
     error: BaseException | None = None
     try:
         parts = {}
@@ -100,7 +102,7 @@ def _stream(value: Any, writer: _Writer | None) -> Any:
             gather_tensor(value, True, discard=True)
             return None
         try:
-            return writer.add(gather_tensor(value, True, copy=False))
+            return writer.add(gather_tensor(value, True, copy=False, scratch=writer.scratch_for(value)))
         except Exception as err:  # noqa: BLE001 - e.g. out of memory for this tensor; raised after the walk
             writer.error = err
             return None
@@ -111,6 +113,18 @@ def _stream(value: Any, writer: _Writer | None) -> Any:
     if isinstance(value, (list, tuple)):
         return type(value)(_stream(v, writer) for v in value)
     return value
+
+
+def _tensors(value: Any) -> Any:
+    """Every tensor in a nested structure."""
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, Mapping):
+        for v in value.values():
+            yield from _tensors(v)
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
 
 
 def _nbytes(value: Any) -> int:
@@ -164,12 +178,25 @@ class _Writer:
         self.keys: dict[int, str] = {}  # storage._cdata -> record key: each storage once, as torch.save does
         self.count = 0
         self.error: BaseException | None = None
+        self.scratch: Tensor | None = None
+        self.largest = 0  # set by save_streamed: the largest receive buffer any tensor of the checkpoint needs
         self.file: Any = None
         try:
             self.file = _File(open(self.tmp, "wb"))  # noqa: SIM115 - closed in finish/discard
             self.zip = torch._C.PyTorchFileWriter(self.file, get_crc32_options(), _storage_alignment())
         except Exception as err:  # noqa: BLE001
             self.error = self._describe(err)
+
+    def scratch_for(self, tensor: Tensor) -> Tensor | None:
+        """One receive buffer for every tensor, as large as the largest: each is written out before the next arrives,
+        and a single block keeps rank 0's memory at one tensor exactly (allocating and freeing a buffer per tensor
+        lets the allocator's heap grow)."""
+        needed = receive_bytes(tensor)
+        if needed and (self.scratch is None or self.scratch.numel() < needed):
+            device = tensor.device_mesh.device_type  # type: ignore[attr-defined]
+            self.scratch = None  # the old block goes first
+            self.scratch = torch.empty(max(needed, self.largest), dtype=torch.uint8, device=device)
+        return self.scratch
 
     def add(self, whole: Tensor) -> _Written:
         """Write a whole CPU tensor as the next record; keep only its description."""
