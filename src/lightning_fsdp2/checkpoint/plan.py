@@ -74,20 +74,17 @@ def _peft_saved(module: nn.Module) -> Iterator[tuple[str, str, str]]:
                     yield prefix, key, by_id[id(value)]
 
 
-def peft_saved_names(module: nn.Module, adapters: frozenset[str]) -> dict[str, str]:
-    """The canonical name under which peft's ``save_pretrained`` writes an adapter tensor -> its canonical name in the
-    model, where the two differ (DoRA's ``lora_magnitude_vector`` without ``.weight``, IA3's ``ia3_l`` without the
-    adapter name, ``modules_to_save`` under the original layer's name, ...)."""
-    out: dict[str, str] = {}
-    for _, saved, name in _peft_saved(module):
-        out.setdefault(canonical_name(saved, adapters), canonical_name(name, adapters))
-    return {saved: name for saved, name in out.items() if saved != name}
-
-
-def peft_saved_tensors(module: nn.Module) -> set[str]:
-    """Names (relative to ``module``) of the parameters peft's ``save_pretrained`` writes for the adapters of the peft
-    models in ``module``; empty without peft."""
-    return {f"{prefix}.{name}" if prefix else name for prefix, _, name in _peft_saved(module)}
+def peft_saved(module: nn.Module, adapters: frozenset[str]) -> tuple[dict[str, str], set[str]]:
+    """How peft's ``save_pretrained`` writes the adapters of the peft models in ``module``: (the canonical name it
+    writes a tensor under -> the tensor's canonical name in the model, where the two differ: DoRA's
+    ``lora_magnitude_vector`` without ``.weight``, IA3's ``ia3_l`` without the adapter name, ``modules_to_save`` under
+    the original layer's name, ...; the names, relative to ``module``, of the parameters it writes)."""
+    renamed: dict[str, str] = {}
+    written: set[str] = set()
+    for prefix, saved, name in _peft_saved(module):
+        renamed.setdefault(canonical_name(saved, adapters), canonical_name(name, adapters))
+        written.add(f"{prefix}.{name}" if prefix else name)
+    return {k: v for k, v in renamed.items() if k != v}, written
 
 
 def adapter_tensors(module: nn.Module) -> set[str]:

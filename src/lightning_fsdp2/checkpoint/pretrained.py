@@ -18,8 +18,7 @@ from lightning_fsdp2.checkpoint.plan import (
     align_prefixes,
     canonical_name,
     listing,
-    peft_saved_names,
-    peft_saved_tensors,
+    peft_saved,
     plan_load,
     run_plan,
 )
@@ -103,7 +102,7 @@ def check_pretrained(
     # A saved adapter directory names some tensors as peft's save_pretrained does, not as the model does; a whole
     # checkpoint (a Hugging Face model, a full state dict) uses the model's own names, and there peft's saved names
     # would collide with base weights (modules_to_save is saved under the original layer's name).
-    saved_as = peft_saved_names(module, names) if adapters_only else {}
+    saved_as, saved = peft_saved(module, names) if adapters_only else ({}, set())
 
     def source_name(key: str) -> str:
         name = canonical_name(key, names)
@@ -129,7 +128,6 @@ def check_pretrained(
     if adapters_only:
         # Required: what peft's save_pretrained writes. Tensors it leaves out (AdaLoRA's rank counter) keep their
         # initialization.
-        saved = peft_saved_tensors(module)
         missing = [n for n in plan.missing if n in adapter_params and (not saved or n in saved)]
         if not adapter_params:
             raise CheckpointFileError(

@@ -62,9 +62,7 @@ def save_streamed(checkpoint: Mapping[str, Any], path: str | os.PathLike, same_a
     on_rank0(prepare, f"save to {path}")
     # From here on every rank walks the same structure to the end, whatever happens on rank 0: a rank that stopped
     # sending or receiving halfway would leave the others waiting forever. Rank 0's writer records its first error.
-    writer = _Writer(path, needed=_nbytes(checkpoint)) if rank0 else None
-    if writer is not None:
-        writer.largest = max((receive_bytes(t) for t in _tensors(checkpoint)), default=0)
+    writer = _Writer(path, list(_tensors(checkpoint))) if rank0 else None
     error: BaseException | None = None
     try:
         parts = {}
@@ -127,17 +125,6 @@ def _tensors(value: Any) -> Any:
             yield from _tensors(v)
 
 
-def _nbytes(value: Any) -> int:
-    """Bytes of tensor data in a nested structure (whole sizes for ``DTensor`` shards), for the disk-full message."""
-    if isinstance(value, Tensor):
-        return value.numel() * value.element_size()
-    if isinstance(value, Mapping):
-        return sum(_nbytes(v) for v in value.values())
-    if isinstance(value, (list, tuple)):
-        return sum(_nbytes(v) for v in value)
-    return 0
-
-
 class _StorageRef:
     """A storage already written to the archive: pickled as the persistent id ``torch.save`` gives a storage."""
 
@@ -171,15 +158,16 @@ class _Writer:
     tensors the other ranks send; :meth:`finish` raises it.
     """
 
-    def __init__(self, path: Path, needed: int) -> None:
+    def __init__(self, path: Path, tensors: list[Tensor]) -> None:
         from torch.serialization import get_crc32_options
 
-        self.path, self.tmp, self.needed = path, temporary_path(path), needed
+        self.path, self.tmp = path, temporary_path(path)
+        self.needed = sum(t.numel() * t.element_size() for t in tensors)  # whole sizes of shards: for a disk-full error
+        self.largest = max((receive_bytes(t) for t in tensors), default=0)  # the one receive buffer's size
         self.keys: dict[int, str] = {}  # storage._cdata -> record key: each storage once, as torch.save does
         self.count = 0
         self.error: BaseException | None = None
         self.scratch: Tensor | None = None
-        self.largest = 0  # set by save_streamed: the largest receive buffer any tensor of the checkpoint needs
         self.file: Any = None
         try:
             self.file = _File(open(self.tmp, "wb"))  # noqa: SIM115 - closed in finish/discard
