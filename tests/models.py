@@ -254,3 +254,57 @@ def assert_same_run(resumed: dict, straight: dict, what: str) -> None:
     assert resumed["state"].keys() == straight["state"].keys(), what
     worst = max((resumed["state"][k] - straight["state"][k]).abs().max().item() for k in straight["state"])
     assert worst <= 1e-4, f"{what}: max abs diff {worst}"
+
+
+# --------------------------------------------------------------------------- architectures
+def tiny_model(name: str):
+    """A tiny model of architecture ``name`` and an input for it (keyword arguments of its forward)."""
+    import transformers as tf
+
+    lm = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=64)
+    tokens = {"input_ids": TokenDataset(2).data}
+    seq2seq = {**tokens, "decoder_input_ids": TokenDataset(2, seed=1).data[:, :8].clone()}
+    builders = {
+        "qwen3_moe": lambda: tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
+            **lm, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)),
+        "llama": lambda: tf.LlamaForCausalLM(tiny_llama_config()),
+        "qwen2_moe": lambda: tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
+            **lm, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)),
+        "mixtral": lambda: tf.MixtralForCausalLM(tf.MixtralConfig(**lm, num_local_experts=4, num_experts_per_tok=2)),
+        "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64)),
+        "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**lm)),
+        "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**lm, head_dim=16)),
+        "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**lm)),
+        "gemma": lambda: tf.GemmaForCausalLM(tf.GemmaConfig(**lm, head_dim=16)),
+        "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(**lm, head_dim=16)),
+        "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**lm, pad_token_id=0)),
+        "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(
+            vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
+            max_position_embeddings=64, word_embed_proj_dim=64)),
+        "bert": lambda: tf.BertForSequenceClassification(tf.BertConfig(
+            vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
+            max_position_embeddings=64, num_labels=3)),
+        "t5": lambda: tf.T5ForConditionalGeneration(tf.T5Config(
+            vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0)),
+        "bart": lambda: tf.BartForConditionalGeneration(tf.BartConfig(
+            vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
+            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64)),
+        "vit": lambda: tf.ViTForImageClassification(tf.ViTConfig(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=32,
+            patch_size=8, num_labels=3)),
+    }
+    inputs = {"t5": seq2seq, "bart": seq2seq}.get(name, tokens)
+    if name == "vit":
+        inputs = {"pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))}
+    return builders[name](), inputs
+
+
+def training_inputs(name: str, inputs: dict) -> dict:
+    """The training inputs: the model's own loss needs labels (classes for BERT and ViT, tokens otherwise)."""
+    if name in ("bert", "vit"):
+        batch = next(iter(inputs.values())).shape[0]
+        return {**inputs, "labels": torch.arange(batch) % 3}
+    if name in ("t5", "bart"):
+        return {**inputs, "labels": inputs["decoder_input_ids"]}
+    return {**inputs, "labels": inputs["input_ids"]}

@@ -13,7 +13,9 @@ from torch.utils.data import DataLoader
 from lightning_fsdp2 import CheckpointFileError, FSDP2Strategy, load_pretrained
 from lightning_fsdp2.checkpoint import check_sharded_files
 from tests.helpers import run_distributed
-from tests.models import TokenDataset, probe_logits, quiet_trainer_kwargs, save_tiny_pretrained, tiny_llama_config
+from tests.models import (
+    TokenDataset, probe_logits, quiet_trainer_kwargs, save_tiny_pretrained, tiny_llama_config, tiny_model, training_inputs,
+)
 
 
 # =========================================================================== load_pretrained
@@ -534,47 +536,6 @@ def test_load_pretrained_after_get_peft_model_with_modules_to_save(pretrained: P
 
 
 # =========================================================================== architectures, and checkpoints transformers converts
-def _tiny_model(name: str):
-    """A tiny model of architecture ``name`` and an input for it (keyword arguments of its forward)."""
-    import transformers as tf
-
-    lm = dict(vocab_size=128, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-              num_key_value_heads=2, max_position_embeddings=64)
-    tokens = {"input_ids": TokenDataset(2).data}
-    seq2seq = {**tokens, "decoder_input_ids": TokenDataset(2, seed=1).data[:, :8].clone()}
-    builders = {
-        "qwen3_moe": lambda: tf.Qwen3MoeForCausalLM(_moe_config()),
-        "qwen2_moe": lambda: tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
-            **lm, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)),
-        "mixtral": lambda: tf.MixtralForCausalLM(tf.MixtralConfig(**lm, num_local_experts=4, num_experts_per_tok=2)),
-        "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64)),
-        "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**lm)),
-        "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**lm, head_dim=16)),
-        "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**lm)),
-        "gemma": lambda: tf.GemmaForCausalLM(tf.GemmaConfig(**lm, head_dim=16)),
-        "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(**lm, head_dim=16)),
-        "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**lm, pad_token_id=0)),
-        "opt": lambda: tf.OPTForCausalLM(tf.OPTConfig(
-            vocab_size=128, hidden_size=64, ffn_dim=128, num_hidden_layers=2, num_attention_heads=4,
-            max_position_embeddings=64, word_embed_proj_dim=64)),
-        "bert": lambda: tf.BertForSequenceClassification(tf.BertConfig(
-            vocab_size=128, hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128,
-            max_position_embeddings=64, num_labels=3)),
-        "t5": lambda: tf.T5ForConditionalGeneration(tf.T5Config(
-            vocab_size=128, d_model=64, d_kv=16, d_ff=128, num_layers=2, num_heads=4, decoder_start_token_id=0)),
-        "bart": lambda: tf.BartForConditionalGeneration(tf.BartConfig(
-            vocab_size=128, d_model=64, encoder_layers=2, decoder_layers=2, encoder_attention_heads=4,
-            decoder_attention_heads=4, encoder_ffn_dim=128, decoder_ffn_dim=128, max_position_embeddings=64)),
-        "vit": lambda: tf.ViTForImageClassification(tf.ViTConfig(
-            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, intermediate_size=128, image_size=32,
-            patch_size=8, num_labels=3)),
-    }
-    inputs = {"t5": seq2seq, "bart": seq2seq}.get(name, tokens)
-    if name == "vit":
-        inputs = {"pixel_values": torch.randn(2, 3, 32, 32, generator=torch.Generator().manual_seed(0))}
-    return builders[name](), inputs
-
-
 class ArchitectureProbe(L.LightningModule):
     def __init__(self, name: str, source: str, inputs: dict) -> None:
         super().__init__()
@@ -583,7 +544,7 @@ class ArchitectureProbe(L.LightningModule):
 
     def configure_model(self) -> None:
         if self.model is None:
-            self.model, _ = _tiny_model(self.name)
+            self.model, _ = tiny_model(self.name)
             load_pretrained(self.model, self.source)
 
     def validation_step(self, batch, batch_idx: int) -> None:
@@ -604,29 +565,77 @@ ARCHITECTURES = ["gpt2", "qwen2", "qwen3", "mistral", "gemma", "gemma2", "phi3",
                  "qwen3_moe", "qwen2_moe", "mixtral", "vit"]
 
 
+class _Recording:
+    """A tensor source that notes which keys are read."""
+
+    def __init__(self, source) -> None:
+        self.source, self.read_keys = source, set()
+
+    def __getattr__(self, name: str):
+        return getattr(self.source, name)
+
+    def read(self, key: str, index):
+        self.read_keys.add(key)
+        return self.source.read(key, index)
+
+
+@pytest.mark.parametrize("name", ["mixtral", "qwen3_moe"])
+def test_a_slice_of_fused_experts_reads_only_those_experts(name: str, tmp_path: Path) -> None:
+    """Experts stored one tensor each and fused in memory (stacked along dim 0, FSDP2's shard dim): rows a:b of the
+    fused tensor are built from experts a:b alone, and equal those rows of what from_pretrained builds."""
+    from lightning_fsdp2.checkpoint.sources import ConvertedSource, open_source
+
+    torch.manual_seed(0)
+    model, _ = tiny_model(name)
+    model.save_pretrained(tmp_path)
+    reference = type(model).from_pretrained(tmp_path).state_dict()
+    recording = _Recording(open_source(tmp_path))
+    converted = ConvertedSource(recording, model)
+    for target in ("model.layers.1.mlp.experts.gate_up_proj", "model.layers.1.mlp.experts.down_proj"):
+        recording.read_keys.clear()
+        rows = converted.read(target, (slice(2, 4), slice(None), slice(None)))
+        assert torch.equal(rows, reference[target][2:4])
+        experts = {int(k.split(".experts.")[1].split(".")[0]) for k in recording.read_keys}
+        assert experts == {2, 3}, sorted(recording.read_keys)
+
+
+def test_a_load_that_does_not_fit_after_conversion_says_the_names_are_converted(tmp_path: Path) -> None:
+    """A Mixtral checkpoint with an expert missing: the error names the fused tensor whose shape differs and says
+    the source's names are those after transformers' conversions, with one stored key and what it became."""
+    from safetensors.torch import load_file
+
+    torch.manual_seed(0)
+    model, _ = tiny_model("mixtral")
+    model.save_pretrained(tmp_path)
+    weights = {}
+    for file in sorted(tmp_path.glob("*.safetensors")):
+        weights.update(load_file(file))
+    assert "model.layers.0.block_sparse_moe.experts.3.w1.weight" in weights  # how Mixtral's checkpoints store them
+    for key in [k for k in weights if ".experts.3." in k and k.startswith("model.layers.0.")]:
+        del weights[key]
+    fresh, _ = tiny_model("mixtral")
+    with pytest.raises(CheckpointFileError) as error:
+        load_pretrained(fresh, weights)
+    message = str(error.value)
+    assert "'model.layers.0.mlp.experts.gate_up_proj' has shape (3, " in message
+    assert "after transformers' checkpoint conversions" in message
+    assert "'model.layers.0.block_sparse_moe.experts.0.w1.weight' and 5 more -> 'model.layers.0.mlp.experts.gate_up_proj'" \
+        in message
+
+
 @pytest.mark.parametrize("name", ARCHITECTURES)
 def test_load_pretrained_gives_from_pretrained_outputs_across_architectures(name: str, tmp_path: Path) -> None:
     """A save_pretrained directory, built on meta, sharded at world size 2 and loaded with load_pretrained, gives the
     outputs of from_pretrained's model in one process. MoE models (experts stored one tensor per expert, fused in
     memory) and ViT (checkpoint names) go through transformers' own conversions."""
     torch.manual_seed(0)
-    model, inputs = _tiny_model(name)
+    model, inputs = tiny_model(name)
     model.save_pretrained(tmp_path)
     reference = type(model).from_pretrained(tmp_path)
     with torch.no_grad():
         expected = reference(**inputs).logits.float()
     for outputs in run_distributed(_sharded_outputs, 2, name, str(tmp_path), inputs):
         assert torch.allclose(outputs, expected, atol=1e-5), (outputs - expected).abs().max()
-
-
-def _labels(name: str, inputs: dict) -> dict:
-    """The training inputs: the model's own loss needs labels (classes for BERT and ViT, tokens otherwise)."""
-    if name in ("bert", "vit"):
-        batch = next(iter(inputs.values())).shape[0]
-        return {**inputs, "labels": torch.arange(batch) % 3}
-    if name in ("t5", "bart"):
-        return {**inputs, "labels": inputs["decoder_input_ids"]}
-    return {**inputs, "labels": inputs["input_ids"]}
 
 
 class ArchitectureTraining(ArchitectureProbe):
@@ -636,7 +645,7 @@ class ArchitectureTraining(ArchitectureProbe):
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         self.model.eval()  # no dropout: the sharded run and the reference draw different masks
         rank, world = self.global_rank, self.trainer.world_size
-        inputs = {k: v[rank::world].contiguous() for k, v in _labels(self.name, self.inputs).items()}
+        inputs = {k: v[rank::world].contiguous() for k, v in training_inputs(self.name, self.inputs).items()}
         return self.model(**inputs).loss
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
@@ -663,14 +672,14 @@ def test_training_parity_with_one_process_across_architectures(name: str, tmp_pa
     """Three SGD steps at world size 2 (each rank half of every batch) end with the weights of three steps in one
     process on the whole batches, from the same save_pretrained weights (fp32, max abs diff <= 1e-4)."""
     torch.manual_seed(0)
-    model, inputs = _tiny_model(name)
+    model, inputs = tiny_model(name)
     model.save_pretrained(tmp_path)
     reference = type(model).from_pretrained(tmp_path)
     reference.eval()
     optimizer = torch.optim.SGD(reference.parameters(), lr=0.1)
     for _ in range(3):
         optimizer.zero_grad()
-        reference(**_labels(name, inputs)).loss.backward()
+        reference(**training_inputs(name, inputs)).loss.backward()
         optimizer.step()
     expected = {k: v.detach() for k, v in reference.state_dict().items()}
     sharded = run_distributed(_train_sharded, 2, name, str(tmp_path), inputs)[0]

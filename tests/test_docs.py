@@ -175,3 +175,34 @@ def test_every_public_strategy_option_is_documented() -> None:
 )
 def test_slug(heading: str, expected: str) -> None:
     assert slug(heading) == expected
+
+
+# ------------------------------------------------------------------------------------------------ support matrix
+def support_matrix() -> str:
+    """The architectures x peft methods table of docs/support.md, from what tests/test_peft_matrix.py runs."""
+    from tests import test_peft_matrix as matrix
+
+    notes = sorted(set(matrix.NOT_IN_PEFT.values()))
+    head = "| architecture | " + " | ".join(f"`{m}`" for m in matrix.METHODS) + " |"
+    rows = [head, "|" + "---|" * (len(matrix.METHODS) + 1)]
+    for arch in matrix.ARCHITECTURES:
+        cells = []
+        for method in matrix.METHODS:
+            if (arch, method) in matrix.NOT_IN_PEFT:
+                cells.append(f"—{notes.index(matrix.NOT_IN_PEFT[arch, method]) + 1}")
+            else:
+                cells.append("eval" if method in matrix.UNTRAINABLE else "yes")
+        rows.append(f"| {arch} | " + " | ".join(cells) + " |")
+    rows.append("")
+    rows += [f"—{i}: {note}." for i, note in enumerate(notes, start=1)]
+    return "\n".join(rows)
+
+
+def test_support_matrix_is_what_the_tests_run() -> None:
+    text = (DOCS / "support.md").read_text(encoding="utf-8")
+    start, end = "<!-- matrix: generated from tests/test_peft_matrix.py -->\n", "\n<!-- matrix end -->"
+    assert start in text and end in text, "docs/support.md lost its matrix markers"
+    current = text.split(start, 1)[1].split(end, 1)[0]
+    assert current == support_matrix(), (
+        "docs/support.md's matrix differs from tests/test_peft_matrix.py; paste tests.test_docs.support_matrix()"
+    )

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 __all__ = [
     "UninitializedError",
     "check_initialized",
+    "check_peft_supported",
     "initialize_from_loaded",
     "initialize_module",
     "materialize_module",
@@ -272,13 +273,45 @@ def peft_lora_rule(module: nn.Module, materialized: set[str]) -> None:
                     for tensor in (sub.lora_A[adapter], sub.lora_E[adapter], sub.lora_B[adapter]):
                         tensor.normal_()
                 continue
-            if not (isinstance(init, bool) or (isinstance(init, str) and init.lower() == "gaussian")):
-                raise ValueError(
-                    f"LoRA adapter {adapter!r} at {name!r} uses init_lora_weights={init!r}, which derives adapters"
-                    " from the base weights; that cannot run on a meta-built sharded model. Use"
-                    " init_lora_weights=True or 'gaussian', or start from saved adapters."
-                )
             sub.reset_lora_parameters(adapter, init)
+
+
+def check_peft_supported(module: nn.Module, training: bool) -> None:
+    """Refuse, before anything is allocated, the peft options that cannot run on a meta-built sharded model (or be
+    trained sharded, when ``training``).
+
+    Each names the option and what to use instead; the configs are the same on every rank, so every rank raises.
+    """
+    built_on_meta = any(p.is_meta for p in module.parameters())
+    for adapter, config in _peft_configs(module).items():
+        init = getattr(config, "init_lora_weights", True)
+        if built_on_meta and not (isinstance(init, bool) or (isinstance(init, str) and init.lower() == "gaussian")):
+            # PiSSA, OLoRA, LoftQ, EVA, CorDA: adapters computed from the whole base weights (an SVD, a QR) at
+            # `get_peft_model` time, which sees meta tensors here.
+            raise ValueError(
+                f"peft adapter {adapter!r} uses init_lora_weights={init!r}, which derives the adapters from the base"
+                " weights when get_peft_model runs; on a meta-built sharded model there are none yet. Use"
+                " init_lora_weights=True or 'gaussian', or start from saved adapters (`lora.load_adapter`)."
+            )
+        prompt_init = getattr(config, "prompt_tuning_init", None)
+        if built_on_meta and prompt_init is not None and str(getattr(prompt_init, "value", prompt_init)).upper() != "RANDOM":
+            # peft reads the word embeddings at construction (`TEXT`, `SAMPLE_VOCAB`): meta here, so the prompt
+            # would silently start at random.
+            raise ValueError(
+                f"peft adapter {adapter!r} uses prompt_tuning_init={str(getattr(prompt_init, 'value', prompt_init))!r}"
+                ", which copies word embeddings when get_peft_model runs; on a meta-built sharded model they are not"
+                " loaded yet. Use prompt_tuning_init='RANDOM', or start from saved adapters (`lora.load_adapter`)."
+            )
+        if training and getattr(config, "peft_type", None) == "ADALORA":
+            # AdaLoraModel.forward adds a regularization computed from every lora_A/lora_B *after* the model's
+            # forward pass (whenever it returns a loss, even with orth_reg_weight=0), when FSDP2 has resharded them:
+            # each rank holds its slice only, and peft's code fails on it.
+            raise ValueError(
+                f"AdaLoRA adapter {adapter!r} cannot be trained sharded: peft's AdaLoraModel.forward computes its"
+                " orthogonal regularization from the whole lora_A/lora_B after the forward pass, when FSDP2 holds"
+                " only each rank's slice. Train AdaLoRA with another strategy (e.g. 'ddp'); FSDP2Strategy initializes,"
+                " loads, evaluates and exports it."
+            )
 
 
 def peft_tuner_rule(module: nn.Module, materialized: set[str]) -> None:
@@ -394,12 +427,13 @@ def _whole(tensor: Tensor) -> Tensor:
 def _peft_configs(module: nn.Module) -> dict[str, Any]:
     """Every peft adapter's config in ``module``, by adapter name."""
     try:
+        from peft import PeftModel
         from peft.tuners.tuners_utils import BaseTuner
     except ImportError:
         return {}
     configs: dict[str, Any] = {}
     for sub in module.modules():
-        if isinstance(sub, BaseTuner):
+        if isinstance(sub, (BaseTuner, PeftModel)):  # prompt learning has no tuner: its config is on the PeftModel
             configs.update(sub.peft_config)
     return configs
 

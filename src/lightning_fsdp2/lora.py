@@ -36,7 +36,7 @@ from lightning_fsdp2.checkpoint.files import (
     temporary_path,
     write_files_into,
 )
-from lightning_fsdp2.checkpoint.plan import tied_aliases
+from lightning_fsdp2.checkpoint.plan import peft_state_dict, tied_aliases
 from lightning_fsdp2.checkpoint.pretrained import declare_load
 from lightning_fsdp2.checkpoint.shards import gather_to_rank0
 from lightning_fsdp2.checkpoint.sources import PretrainedSource
@@ -62,17 +62,18 @@ def save_adapter(module: nn.Module, directory: str | os.PathLike, *, adapter_nam
 
     Each adapter tensor is gathered whole to rank 0 (the other ranks send their slices and keep nothing), and
     rank 0 writes ``adapter_model.safetensors`` and ``adapter_config.json`` with peft's ``save_pretrained``.
+    Prompt tuning and prefix tuning (without ``prefix_projection``) save their encoder's weight, as peft does.
     """
-    from peft.utils import get_peft_model_state_dict
-
     peft_model = find_peft_model(module)
+    if adapter_name not in peft_model.peft_config:
+        raise ValueError(f"The model has no adapter {adapter_name!r}; it has {sorted(peft_model.peft_config)}.")
     directory = Path(directory)
     on_rank0(lambda: check_export_directory(directory), f"write the adapter to {directory}")  # before any work
     sharded = peft_model.state_dict()  # FSDP2: each rank's shards, clean names, no communication
     # peft picks the tensors that belong to the adapter (and renames them); gather exactly those.
-    picked = get_peft_model_state_dict(peft_model, state_dict=sharded, adapter_name=adapter_name)
-    chosen = {id(v) for v in picked.values()}
-    to_gather = {name: t for name, t in sharded.items() if id(t) in chosen}
+    picked = peft_state_dict(peft_model, sharded, adapter_name)
+    name_of = {id(t): name for name, t in sharded.items()}
+    to_gather = {name_of[id(t)]: t for t in picked.values() if id(t) in name_of}
     if len(to_gather) != len(picked):
         raise NotImplementedError(
             f"peft computes {len(picked) - len(to_gather)} of adapter {adapter_name!r}'s tensors instead of taking them"
@@ -81,6 +82,18 @@ def save_adapter(module: nn.Module, directory: str | os.PathLike, *, adapter_nam
     adapter = gather_to_rank0(to_gather)
 
     def write(tmp: Path) -> None:
+        if peft_model.peft_config[adapter_name].is_prompt_learning:
+            # peft's save_pretrained ignores a given state dict for prompt learning and runs the sharded encoder
+            # again: write its two files, as it names them, from the gathered tensors under peft's keys.
+            from peft.utils import SAFETENSORS_WEIGHTS_NAME
+            from safetensors.torch import save_file
+
+            weights = {key: adapter[name_of[id(t)]].contiguous() for key, t in picked.items()}
+            save_file(weights, tmp / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})
+            config = copy.deepcopy(peft_model.peft_config[adapter_name])
+            config.inference_mode = True  # as peft writes it
+            config.save_pretrained(str(tmp))
+            return
         if (directory / "README.md").is_file():  # peft updates an existing model card rather than replacing it
             shutil.copy2(directory / "README.md", tmp / "README.md")
         peft_model.save_pretrained(str(tmp), state_dict=adapter, selected_adapters=[adapter_name])

@@ -50,6 +50,7 @@ from torch.optim import Optimizer
 from lightning_fsdp2 import checkpoint as ckpt
 from lightning_fsdp2.init import (
     check_initialized,
+    check_peft_supported,
     initialize_from_loaded,
     initialize_module,
     materialize_module,
@@ -291,6 +292,8 @@ class FSDP2Strategy(ParallelStrategy):
             return module
         _check_no_fsdp1(module)
         _check_built(module)
+        trainer = getattr(module, "_trainer", None)
+        check_peft_supported(module, training=trainer is not None and trainer.state.fn == TrainerFn.FITTING)
         # Planned before sharding, so that a checkpoint that does not fit fails before any memory is allocated.
         pretrained = ckpt.pending_pretrained(module)
         module = self.precision_plugin.convert_module(module)

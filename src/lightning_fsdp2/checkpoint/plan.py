@@ -19,7 +19,8 @@ _ADAPTER_CONTAINERS = frozenset(
 
 
 def canonical_name(name: str, adapter_names: frozenset[str] = frozenset({"default"})) -> str:
-    """``name`` without peft's wrapping: no ``base_model.model.`` prefix, adapter-name segments, and no
+    """``name`` without peft's wrapping: no ``base_model.model.`` (at the start, or after the name of the attribute
+    holding the peft model), adapter-name segments, and no
     ``base_layer``/``original_module`` segments on the way to a base weight. A plain Hugging Face name is returned as
     it is.
 
@@ -29,8 +30,10 @@ def canonical_name(name: str, adapter_names: frozenset[str] = frozenset({"defaul
     peft's own saved adapters.
     """
     parts = name.split(".")
-    if parts[:2] == ["base_model", "model"]:
-        parts = parts[2:]
+    for i in range(len(parts) - 1):  # the peft model's own wrapping, wherever it sits (`model.base_model.model.`
+        if parts[i : i + 2] == ["base_model", "model"]:  # under a LightningModule holding it as `self.model`)
+            parts = parts[:i] + parts[i + 2 :]
+            break
     out: list[str] = []
     for i, part in enumerate(parts):
         if part in ("base_layer", "original_module") and not _ADAPTER_CONTAINERS.intersection(parts[i + 1 :]):
@@ -60,7 +63,6 @@ def _peft_saved(module: nn.Module) -> Iterator[tuple[str, str, str]]:
     """
     try:
         from peft import PeftModel
-        from peft.utils import get_peft_model_state_dict
     except ImportError:
         return
     for prefix, sub in module.named_modules():
@@ -69,9 +71,54 @@ def _peft_saved(module: nn.Module) -> Iterator[tuple[str, str, str]]:
         state = sub.state_dict()
         by_id = {id(v): k for k, v in state.items()}
         for adapter in sub.peft_config:
-            for key, value in get_peft_model_state_dict(sub, state_dict=state, adapter_name=adapter).items():
+            for key, value in peft_state_dict(sub, state, adapter).items():
                 if id(value) in by_id:
                     yield prefix, key, by_id[id(value)]
+
+
+def peft_state_dict(peft_model: nn.Module, state: dict[str, Tensor], adapter: str) -> dict[str, Tensor]:
+    """peft's ``get_peft_model_state_dict``: the tensors of ``state`` (``peft_model``'s state dict) that peft saves
+    for ``adapter``, under the keys it saves them under.
+
+    For prompt learning peft runs the prompt encoder, unless the config is in inference mode, when it takes the
+    encoder's weight: the same values for the methods allowed (see :func:`prompt_embedding_name`). Inference mode
+    is set for the call (as peft's own ``save_pretrained`` does around its config), and the weight taken from
+    ``state``.
+    """
+    from peft.utils import get_peft_model_state_dict
+
+    prompt = prompt_embedding_name(peft_model, adapter)
+    if prompt is None:
+        return get_peft_model_state_dict(peft_model, state_dict=state, adapter_name=adapter)
+    config = peft_model.peft_config[adapter]
+    mode, config.inference_mode = config.inference_mode, True
+    try:
+        picked = get_peft_model_state_dict(peft_model, state_dict=state, adapter_name=adapter)
+    finally:
+        config.inference_mode = mode
+    return {**picked, "prompt_embeddings": state[prompt]}
+
+
+def prompt_embedding_name(peft_model: nn.Module, adapter: str) -> str | None:
+    """For a prompt-learning adapter, the name (in ``peft_model``'s state dict) of the tensor peft saves as
+    ``prompt_embeddings``; None for the other methods.
+
+    peft saves the prompt encoder's *output* on its virtual tokens and loads it back into the encoder's embedding
+    weight. For prompt tuning, and prefix tuning without ``prefix_projection``, that output is the embedding weight
+    itself (its rows in order), so the weight is what is gathered and what is loaded. Other prompt-learning methods
+    (p-tuning, projected prefixes) save the output of a network that loading does not restore: refused.
+    """
+    config = peft_model.peft_config[adapter]
+    if not getattr(config, "is_prompt_learning", False):
+        return None
+    kind = str(getattr(config.peft_type, "value", config.peft_type))
+    if kind == "PROMPT_TUNING" or (kind == "PREFIX_TUNING" and not getattr(config, "prefix_projection", False)):
+        return f"prompt_encoder.{adapter}.embedding.weight"
+    raise ValueError(
+        f"peft adapter {adapter!r} is {kind}{' with prefix_projection' if kind == 'PREFIX_TUNING' else ''}: peft saves"
+        " the output of its prompt encoder, which loading does not turn back into the encoder's weights, so it cannot"
+        " be saved or loaded sharded. Use PromptTuningConfig, or PrefixTuningConfig(prefix_projection=False)."
+    )
 
 
 def peft_saved(module: nn.Module, adapters: frozenset[str]) -> tuple[dict[str, str], set[str]]:
@@ -89,13 +136,20 @@ def peft_saved(module: nn.Module, adapters: frozenset[str]) -> tuple[dict[str, s
 
 def adapter_tensors(module: nn.Module) -> set[str]:
     """Names of the tensors peft added to ``module``: everything inside a peft tuner layer except its base layer,
-    and every name with a LoRA or ``modules_to_save`` segment. Whatever the tuner (LoRA, IA3, ...)."""
+    every name with a LoRA or ``modules_to_save`` segment, and the prompt encoders of prompt learning. Whatever the
+    tuner (LoRA, IA3, ...)."""
     names = {n for n, _ in module.named_parameters() if any(p in _ADAPTER_CONTAINERS for p in n.split("."))}
     try:
+        from peft import PeftModel
         from peft.tuners.tuners_utils import BaseTunerLayer
     except ImportError:
         return names
     for prefix, sub in module.named_modules():
+        if isinstance(sub, PeftModel):  # prompt learning: the virtual tokens' encoder, beside the base model
+            lead = f"{prefix}.prompt_encoder." if prefix else "prompt_encoder."
+            encoder = sub._modules.get("prompt_encoder")  # absent for the other tuners
+            if encoder is not None:
+                names.update(lead + name for name, _ in encoder.named_parameters())
         if isinstance(sub, BaseTunerLayer):
             for name, _ in sub.named_parameters():
                 if not name.startswith(("base_layer.", "original_module.")):
@@ -193,10 +247,13 @@ def plan_load(
     tensors: dict[str, Tensor] = dict(module.named_parameters()) | dict(module.named_buffers())
     plan = LoadPlan()
     used: set[str] = set()
-    for name, aliases in loadable_tensors(module).items():
-        wanted = [rename_target(a) for a in aliases]
-        # A peft `modules_to_save` copy starts as the base module's weights when the source has no copy of its own.
-        wanted += [".".join(p for p in w.split(".") if p != "modules_to_save") for w in wanted if "modules_to_save" in w]
+    groups = {name: [rename_target(a) for a in aliases] for name, aliases in loadable_tensors(module).items()}
+    all_names = {w: wanted for wanted in groups.values() for w in wanted}  # a name -> every name of its tensor
+    for name, wanted in groups.items():
+        # A peft `modules_to_save` copy starts as the base module's weights when the source has no copy of its own;
+        # under any name of that weight (a copied head tied to the embedding is in the checkpoint as the embedding).
+        originals = [".".join(p for p in w.split(".") if p != "modules_to_save") for w in wanted if "modules_to_save" in w]
+        wanted = wanted + [n for w in originals for n in all_names.get(w, [w])]
         found = [index[w] for w in wanted if w in index]
         used.update(found)
         if not found:

@@ -147,6 +147,8 @@ def check_pretrained(
             f"{len(plan.unexpected)} key(s) in the source fit nothing in the model: {listing(plan.unexpected)}"
             " (pass strict=False to ignore them)"
         )
+    if problems and isinstance(source, ConvertedSource):
+        problems.append(source.describe())
     if problems and adapters_only:
         raise CheckpointFileError(
             f"Cannot load saved adapters into {type(module).__name__}: " + ". ".join(problems)

@@ -183,8 +183,9 @@ class ConvertedSource:
     expert on disk but fused into one tensor in memory (``experts.*.gate_proj.weight`` + ``experts.*.up_proj.weight``
     -> ``experts.gate_up_proj``). Its ``conversion_mapping`` lists those transforms for each model; here the same
     transforms rename the source's keys (``core_model_loading.rename_source_key``) and build each fused tensor with
-    the converter's own operations. A renamed tensor is read a slice at a time as before; a fused one is built whole
-    on each rank that needs part of it (every source tensor it is made of is read), then sliced.
+    the converter's own operations. A renamed tensor is read a slice at a time as before. A fused tensor of stacked
+    experts is built from the experts of the slice asked for (each rank reads only its experts' tensors); any other
+    fused tensor is built whole on each rank that needs part of it, then sliced.
     """
 
     def __init__(self, source: TensorSource, model: Any) -> None:
@@ -217,26 +218,70 @@ class ConvertedSource:
         """The converted names."""
         return [*self._renamed, *self._fused]
 
+    def describe(self) -> str:
+        """What the conversions did, with an example of each kind: for error messages, whose source names are the
+        converted ones."""
+        renamed = [(t, k) for t, k in self._renamed.items() if t != k]
+        parts = []
+        if renamed:
+            parts.append(f"{len(renamed)} renamed (e.g. {renamed[0][1]!r} -> {renamed[0][0]!r})")
+        if self._fused:
+            target, (_, fused) = next(iter(self._fused.items()))
+            parts.append(
+                f"{len(self._fused)} fused from {sum(len(p) for _, p in self._fused.values())} stored tensors"
+                f" (e.g. {fused[0][1]!r} and {len(fused) - 1} more -> {target!r})"
+            )
+        return (
+            "The source's names above are those after transformers' checkpoint conversions for this model, as"
+            f" from_pretrained reads them: {' and '.join(parts)}"
+        )
+
     def shape(self, key: str) -> tuple[int, ...]:
         """The converted tensor's shape."""
         return self._shapes[key]
 
     def read(self, key: str, index: tuple[slice, ...]) -> Tensor:
-        """``tensor[index]``: a slice of a renamed tensor, or of a fused tensor built whole."""
+        """``tensor[index]``: a slice of a renamed tensor; of a fused tensor, built from the experts in the slice
+        when the fusion stacks experts along dim 0 (FSDP2 shards dim 0, so a rank reads only its experts), else built
+        whole."""
         if key in self._renamed:
             return self._source.read(self._renamed[key], index)
+        if index and self._stacks_experts(key):
+            first = index[0]
+            experts = range(self._shapes[key][0])[first]
+            if len(experts) > 0 and first.step in (None, 1):
+                rest = (slice(None), *index[1:])
+                return self._build(key, experts=slice(experts.start, experts.stop))[rest]
         return self._build(key)[index]
 
     def where(self, key: str) -> str:
         """Where the tensor (or the first of those it is fused from) comes from."""
         return self._source.where(self._renamed[key] if key in self._renamed else self._fused[key][1][0][1])
 
-    def _build(self, target: str, meta: bool = False) -> Tensor:
+    def _stacks_experts(self, target: str) -> bool:
+        """Whether the fused tensor's dim 0 is the list of experts, untouched by the later operations: its first
+        operation stacks one tensor per expert along a new dim 0 (``MergeModulelist(dim=0)``) and the others
+        concatenate along other dims (gate and up projections side by side). Then rows ``a:b`` of the result are the
+        same operations on experts ``a:b`` alone."""
+        from transformers.core_model_loading import Concatenate, MergeModulelist
+
+        first, *rest = self._fused[target][0].operations or [None]
+        return (
+            type(first) is MergeModulelist and first.dim == 0
+            and all(type(op) is Concatenate and op.dim != 0 for op in rest)
+        )
+
+    def _build(self, target: str, meta: bool = False, experts: slice | None = None) -> Tensor:
         import copy
 
         import torch
 
         converter, parts = self._fused[target]
+        if experts is not None:  # of each pattern's tensors (one per expert, in expert order), those in the slice
+            by_pattern: dict[str, list[tuple[str, str]]] = {}
+            for pattern, key in parts:
+                by_pattern.setdefault(pattern, []).append((pattern, key))
+            parts = [part for group in by_pattern.values() for part in group[experts]]
         converter = copy.copy(converter)  # its tensor collections are per use
         converter.collected_tensors = type(converter.collected_tensors)(list)
         converter.layer_targets = type(converter.layer_targets)(set)
