@@ -14,6 +14,7 @@ from lightning_fsdp2 import CheckpointFileError, FSDP2Strategy, load_pretrained
 from lightning_fsdp2.checkpoint import check_sharded_files
 from tests.helpers import run_distributed
 from tests.models import (
+    fit_resumable,
     TokenDataset, probe_logits, quiet_trainer_kwargs, save_tiny_pretrained, tiny_llama_config, tiny_model, training_inputs,
 )
 
@@ -112,6 +113,30 @@ def test_load_pretrained_gives_the_logits_of_from_pretrained(pretrained: Path, t
             assert (got - want).abs().max() <= tolerance, f"{name}, rank {rank}: {(got - want).abs().max()}"
     assert results[0]["bf16-true, tied"]["dtype"] == "torch.bfloat16"
     assert results[0]["bf16-true, tied"]["tied"], "tied weights stay tied"
+
+
+def test_load_pretrained_reads_a_lora_runs_own_checkpoint(pretrained: Path, tmp_path: Path) -> None:
+    """A LoRA run's full Lightning checkpoint (names `model.base_model.model....`, adapters included) is a source for
+    a new run, declared before or after get_peft_model: the new model gives the trained run's logits."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    ckpt = tmp_path / "lora-run.ckpt"
+    trained = run_distributed(fit_resumable, 2, str(pretrained), 1, str(ckpt), None, None, {"lora": True})[0]["state"]
+    reference = get_peft_model(LlamaForCausalLM(tiny_llama_config()),
+                               LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+    reference.load_state_dict({k.removeprefix("model."): v for k, v in trained.items()})
+    cases = {
+        "before peft": (dict(source=str(ckpt)), "32-true"),
+        "after peft": (dict(source=str(ckpt), when="after-peft"), "32-true"),
+    }
+    expected = probe_logits(reference)
+    for result in run_distributed(_probe, 2, cases):
+        for name in cases:
+            assert torch.allclose(result[name]["logits"], expected, atol=1e-5), name
+    # Loading at once into a model without adapters: the adapter tensors have nowhere to go, and the error says why.
+    with pytest.raises(CheckpointFileError, match="8 of them are peft adapter tensors and the model has no peft adapters"):
+        load_pretrained(LlamaForCausalLM(tiny_llama_config()), ckpt)
 
 
 def test_load_pretrained_loads_at_once_on_a_real_model(pretrained: Path) -> None:

@@ -122,3 +122,89 @@ def test_merged_and_adapter_exports_pick_one_adapter_keep_ties_and_leave_the_mod
     assert {p.name for p in (tmp_path / "adapter").iterdir()} >= {"adapter_model.safetensors", "adapter_config.json"}
     reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(tmp_path / "base"), tmp_path / "adapter")
     assert torch.allclose(probe_logits(reloaded), expected, atol=1e-5)
+
+
+# --------------------------------------------------------------------------- generate() on the sharded model
+class Sampling(L.LightningModule):
+    """Two SGD steps (LoRA from peft's saved adapter, or the plain model); greedy `generate` after each step."""
+
+    def __init__(self, pretrained: str, adapter: str | None) -> None:
+        super().__init__()
+        self.pretrained, self.adapter = pretrained, adapter
+        self.model = None
+        self.samples: list[torch.Tensor] = []
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            from peft import PeftConfig, get_peft_model
+            from transformers import LlamaForCausalLM
+
+            self.model = LlamaForCausalLM(tiny_llama_config())
+            load_pretrained(self.model, self.pretrained)
+            if self.adapter:
+                config = PeftConfig.from_pretrained(self.adapter)
+                config.inference_mode = False  # peft saves adapters marked for inference; train them further
+                self.model = get_peft_model(self.model, config)
+                load_adapter(self.model, self.adapter)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        rank, world = self.global_rank, self.trainer.world_size
+        tokens = TokenDataset(2).data[rank::world]
+        return self.model(input_ids=tokens, labels=tokens).loss
+
+    def on_train_batch_end(self, *args) -> None:  # mid-training, outside the step: peft's generate bypasses forward
+        prompt = TokenDataset(2, seed=3).data[:, :6]
+        self.samples.append(self.model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt),
+                                                max_new_tokens=6, do_sample=False, pad_token_id=0))
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.5)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TokenDataset(2), batch_size=1)
+
+
+def _sample_sharded(pretrained: str, adapter: str | None) -> list[torch.Tensor]:
+    module = Sampling(pretrained, adapter)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), max_steps=2, limit_val_batches=0,
+                        num_sanity_val_steps=0, **quiet_trainer_kwargs())
+    trainer.fit(module)
+    return module.samples
+
+
+@pytest.mark.parametrize("lora", [True, False], ids=["peft", "plain"])
+def test_generate_mid_training_gives_the_tokens_of_one_process(lora: bool, pretrained: Path, tmp_path: Path) -> None:
+    """Greedy sampling after each training step at world size 2 (peft's generate calls the Hugging Face model's,
+    bypassing the peft model's forward) gives the tokens one process gives after the same steps."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    torch.manual_seed(0)
+    reference = LlamaForCausalLM.from_pretrained(pretrained)
+    adapter = None
+    if lora:
+        reference = get_peft_model(reference, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
+        with torch.no_grad():  # adapters that change the outputs from the start
+            for param in reference.parameters():
+                if param.requires_grad:
+                    param.add_(torch.randn_like(param) * 0.3)
+        adapter = str(tmp_path / "adapter")
+        reference.save_pretrained(adapter)
+    optimizer = torch.optim.SGD([p for p in reference.parameters() if p.requires_grad], lr=0.5)
+    tokens, prompt = TokenDataset(2).data, TokenDataset(2, seed=3).data[:, :6]
+    expected = []
+    for _ in range(2):
+        optimizer.zero_grad()
+        reference(input_ids=tokens, labels=tokens).loss.backward()
+        optimizer.step()
+        expected.append(reference.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6,
+                                           do_sample=False, pad_token_id=0))
+    if lora:  # the adapters change what is sampled
+        with reference.disable_adapter():
+            plain = reference.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=6,
+                                       do_sample=False, pad_token_id=0)
+        assert not torch.equal(plain, expected[-1])
+    for samples in run_distributed(_sample_sharded, 2, str(pretrained), adapter):
+        assert len(samples) == 2
+        for got, want in zip(samples, expected):
+            assert torch.equal(got, want), (got, want)

@@ -100,29 +100,40 @@ def outputs(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
         return model(**inputs).logits.detach().float().cpu()
 
 
+def generate(model: torch.nn.Module, inputs: dict) -> torch.Tensor:
+    """Greedy continuation of the first tokens (peft's `generate`, which bypasses the peft model's forward)."""
+    prompt = inputs["input_ids"][:, :6]
+    return model.generate(input_ids=prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False,
+                          pad_token_id=0)
+
+
 # --------------------------------------------------------------------------- the sharded side
 class PeftCell(L.LightningModule):
     """A model built on meta from its save_pretrained directory, a fresh peft adapter, optionally saved adapters."""
 
-    def __init__(self, arch: str, method: str, pretrained: str, adapter: str | None = None):
+    def __init__(self, arch: str, method: str, pretrained: str, adapter: str | None = None, as_saved: bool = False):
         super().__init__()
         self.arch, self.method, self.pretrained, self.adapter = arch, method, pretrained, adapter
+        self.as_saved = as_saved  # the adapter's own saved config (inference mode), as one evaluates a saved adapter
         self.inputs = tiny_model(arch)[1]
         self.model = None
         self.facts: dict = {}
 
     def configure_model(self) -> None:
         if self.model is None:
-            from peft import get_peft_model
+            from peft import PeftConfig, get_peft_model
 
             base = tiny_model(self.arch)[0]
             load_pretrained(base, self.pretrained)
-            self.model = get_peft_model(base, peft_config(self.arch, self.method))
+            config = PeftConfig.from_pretrained(self.adapter) if self.as_saved else peft_config(self.arch, self.method)
+            self.model = get_peft_model(base, config)
             if self.adapter:
                 load_adapter(self.model, self.adapter)
 
     def validation_step(self, batch, batch_idx: int) -> None:
         self.facts = {"adapters": adapter_tensors(self.model), "outputs": outputs(self.model, self.inputs)}
+        if self.as_saved and "input_ids" in self.inputs and TASK.get(self.arch, "CAUSAL_LM") == "CAUSAL_LM":
+            self.facts["generated"] = generate(self.model, self.inputs)
 
     def training_step(self, batch, batch_idx: int) -> torch.Tensor:
         self.model.eval()  # no dropout: the reference draws other masks
@@ -160,7 +171,10 @@ def _sharded_cells(arch: str, pretrained: str, cells: dict[str, tuple[str, str]]
             save_adapter(trained.model, adapter_out)
             reloaded = PeftCell(arch, method, pretrained, adapter_out)
             _trainer().validate(reloaded, verbose=False)
-            results[method] = {"fresh": fresh.facts, "trained": trained.facts, "reloaded": reloaded.facts}
+            as_saved = PeftCell(arch, method, pretrained, adapter_out, as_saved=True)
+            _trainer().validate(as_saved, verbose=False)
+            results[method] = {"fresh": fresh.facts, "trained": trained.facts, "reloaded": reloaded.facts,
+                               "as_saved": as_saved.facts}
         except Exception:
             import traceback
 
@@ -254,6 +268,10 @@ def test_peft_method_on_architecture(arch: str, method: str, tmp_path_factory) -
     assert torch.allclose(outputs(loaded, row["inputs"]), got["trained"]["outputs"], atol=1e-5)
     worst, name = _worst(got["reloaded"]["adapters"], got["trained"]["adapters"])
     assert worst <= 1e-6, f"load_adapter {name}: {worst}"
+    # evaluated with the saved config (inference mode: adapters frozen, prompt weights read directly), and generating
+    assert torch.allclose(got["as_saved"]["outputs"], got["trained"]["outputs"], atol=1e-5)
+    if "generated" in got["as_saved"]:
+        assert torch.equal(got["as_saved"]["generated"], generate(loaded, row["inputs"]))
 
 
 # --------------------------------------------------------------------------- what cannot run sharded: one clear error
@@ -295,6 +313,8 @@ def _refusals(pretrained: str, out: str) -> dict[str, str]:
 
     return {
         "pissa": error(lambda: validate(peft.LoraConfig(r=4, target_modules=["q_proj"], init_lora_weights="pissa"))),
+        "orthogonal": error(lambda: validate(peft.LoraConfig(r=4, target_modules=["q_proj"],
+                                                             init_lora_weights="orthogonal"))),
         "sample_vocab": error(lambda: validate(peft.PromptTuningConfig(
             num_virtual_tokens=4, prompt_tuning_init="SAMPLE_VOCAB", task_type="CAUSAL_LM"))),
         "adalora_fit": error(lambda: fit(peft.AdaLoraConfig(init_r=4, target_modules=["q_proj"], total_step=10))),
@@ -303,15 +323,16 @@ def _refusals(pretrained: str, out: str) -> dict[str, str]:
 
 
 def test_peft_options_that_cannot_run_sharded_are_refused_by_name_on_every_rank(tmp_path) -> None:
-    """PiSSA (adapters from an SVD of the base weights) and prompt tuning initialized from the vocabulary read base
-    weights that are not loaded when get_peft_model runs on meta; AdaLoRA's regularization reads whole weights after
+    """PiSSA (adapters from an SVD of the base weights), orthogonal LoRA (one whole random matrix) and prompt tuning
+    initialized from the vocabulary read whole weights that are not loaded when get_peft_model runs on meta; AdaLoRA's regularization reads whole weights after
     the forward pass; a projected prefix saves an output loading cannot invert. Each: one ValueError naming the
     option and what to do, on every rank (none hangs)."""
     torch.manual_seed(0)
     model, _ = tiny_model("llama")
     model.save_pretrained(tmp_path / "pretrained")
     for rank in run_distributed(_refusals, 2, str(tmp_path / "pretrained"), str(tmp_path / "out")):
-        assert "init_lora_weights='pissa'" in rank["pissa"] and "'gaussian'" in rank["pissa"]
+        assert "init_lora_weights='pissa'" in rank["pissa"] and "meta_init=False" in rank["pissa"]
+        assert "init_lora_weights='orthogonal'" in rank["orthogonal"] and "one whole random matrix" in rank["orthogonal"]
         assert "prompt_tuning_init='SAMPLE_VOCAB'" in rank["sample_vocab"] and "'RANDOM'" in rank["sample_vocab"]
         assert "AdaLoRA adapter 'default' cannot be trained sharded" in rank["adalora_fit"]
         assert "prefix_projection" in rank["projected_prefix"] and "PromptTuningConfig" in rank["projected_prefix"]

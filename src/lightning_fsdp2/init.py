@@ -286,21 +286,25 @@ def check_peft_supported(module: nn.Module, training: bool) -> None:
     for adapter, config in _peft_configs(module).items():
         init = getattr(config, "init_lora_weights", True)
         if built_on_meta and not (isinstance(init, bool) or (isinstance(init, str) and init.lower() == "gaussian")):
-            # PiSSA, OLoRA, LoftQ, EVA, CorDA: adapters computed from the whole base weights (an SVD, a QR) at
-            # `get_peft_model` time, which sees meta tensors here.
+            # PiSSA, OLoRA, LoftQ, EVA, CorDA, LoRA-GA, ... compute the adapters from the base weights (an SVD, a QR)
+            # and rewrite the base; "orthogonal" draws them jointly from one whole random matrix. Either needs whole
+            # real tensors when `get_peft_model` runs, which sees meta tensors here.
             raise ValueError(
-                f"peft adapter {adapter!r} uses init_lora_weights={init!r}, which derives the adapters from the base"
-                " weights when get_peft_model runs; on a meta-built sharded model there are none yet. Use"
-                " init_lora_weights=True or 'gaussian', or start from saved adapters (`lora.load_adapter`)."
+                f"peft adapter {adapter!r} uses init_lora_weights={init!r}, which peft computes from whole weights"
+                " when get_peft_model runs (the base weights, or one whole random matrix); on a meta-built sharded"
+                " model there are none yet. Build the model for real (FSDP2Strategy(meta_init=False)) and call"
+                " load_pretrained before get_peft_model, or use init_lora_weights=True or 'gaussian'."
             )
         prompt_init = getattr(config, "prompt_tuning_init", None)
-        if built_on_meta and prompt_init is not None and str(getattr(prompt_init, "value", prompt_init)).upper() != "RANDOM":
-            # peft reads the word embeddings at construction (`TEXT`, `SAMPLE_VOCAB`): meta here, so the prompt
-            # would silently start at random.
+        prompt_init = str(getattr(prompt_init, "value", prompt_init))
+        if built_on_meta and prompt_init.upper() not in ("NONE", "RANDOM") and not config.inference_mode:
+            # peft reads the word embeddings at construction (`TEXT`, `SAMPLE_VOCAB`; not in inference mode): meta
+            # here, so the prompt would silently start at random.
             raise ValueError(
-                f"peft adapter {adapter!r} uses prompt_tuning_init={str(getattr(prompt_init, 'value', prompt_init))!r}"
-                ", which copies word embeddings when get_peft_model runs; on a meta-built sharded model they are not"
-                " loaded yet. Use prompt_tuning_init='RANDOM', or start from saved adapters (`lora.load_adapter`)."
+                f"peft adapter {adapter!r} uses prompt_tuning_init={prompt_init!r}, which copies word embeddings when"
+                " get_peft_model runs; on a meta-built sharded model they are not loaded yet. Use"
+                " prompt_tuning_init='RANDOM', or build the model for real (FSDP2Strategy(meta_init=False)) and call"
+                " load_pretrained before get_peft_model."
             )
         if training and getattr(config, "peft_type", None) == "ADALORA":
             # AdaLoraModel.forward adds a regularization computed from every lora_A/lora_B *after* the model's

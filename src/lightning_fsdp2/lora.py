@@ -91,8 +91,13 @@ def save_adapter(module: nn.Module, directory: str | os.PathLike, *, adapter_nam
             weights = {key: adapter[name_of[id(t)]].contiguous() for key, t in picked.items()}
             save_file(weights, tmp / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})
             config = copy.deepcopy(peft_model.peft_config[adapter_name])
-            config.inference_mode = True  # as peft writes it
+            config.inference_mode = True  # as peft writes it, with the base model's name and a model card
+            if config.base_model_name_or_path is None:
+                config.base_model_name_or_path = peft_model.get_base_model().__dict__.get("name_or_path")
             config.save_pretrained(str(tmp))
+            if (directory / "README.md").is_file():
+                shutil.copy2(directory / "README.md", tmp / "README.md")
+            peft_model.create_or_update_model_card(str(tmp))
             return
         if (directory / "README.md").is_file():  # peft updates an existing model card rather than replacing it
             shutil.copy2(directory / "README.md", tmp / "README.md")

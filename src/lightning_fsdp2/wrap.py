@@ -15,7 +15,13 @@ from typing import Any, Union
 
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy, fully_shard
+from torch.distributed.fsdp import (
+    FSDPModule,
+    MixedPrecisionPolicy,
+    OffloadPolicy,
+    fully_shard,
+    register_fsdp_forward_method,
+)
 
 ModulePolicy = Union[set[type[nn.Module]], Callable[[str, nn.Module], bool]]
 """A set of module classes, or a callable ``(qualified_name, module) -> bool`` that selects modules."""
@@ -121,8 +127,8 @@ def shard_model(
 
     The roots are the children of ``model`` (the ``LightningModule``) that hold parameters, such as ``self.model``:
     FSDP2 gathers a root's remaining parameters (embeddings, final norm, head) when the root is *called*, so with
-    ``self.model`` as a root, ``self.model(...)`` and ``self.model.generate(...)`` work anywhere, in ``*_step`` or in
-    a callback. Only when ``model`` holds parameters itself, or its children share parameters with each other, is
+    ``self.model`` as a root, ``self.model(...)`` and ``self.model.generate(...)`` (registered as a forward method)
+    work anywhere, in ``*_step`` or in a callback. Only when ``model`` holds parameters itself, or its children share parameters with each other, is
     ``model`` the single root; its steps must then run through its ``__call__`` (the strategy sees to that).
 
     Two kinds of modules are never made groups of their own, whatever the policy says:
@@ -160,6 +166,11 @@ def shard_model(
         if not isinstance(root, FSDPModule):  # a child the policy selected is a group, and a root, already
             fully_shard(root, **kwargs)
             groups.append(name)
+        # `generate` does not go through the root's forward (peft's calls the Hugging Face model's, which calls the
+        # prompt encoder or reads its weight): registered as a forward method, it gathers the root's parameters
+        # (embeddings, head, prompt encoder) as forward does.
+        if callable(getattr(root, "generate", None)):
+            register_fsdp_forward_method(root, "generate")
     return groups
 
 

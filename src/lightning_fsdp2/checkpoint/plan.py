@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import functools
+
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
@@ -132,6 +134,28 @@ def peft_saved(module: nn.Module, adapters: frozenset[str]) -> tuple[dict[str, s
         renamed.setdefault(canonical_name(saved, adapters), canonical_name(name, adapters))
         written.add(f"{prefix}.{name}" if prefix else name)
     return {k: v for k, v in renamed.items() if k != v}, written
+
+
+def is_adapter_key(name: str) -> bool:
+    """Whether a checkpoint key names a peft adapter tensor: a segment is one of the adapter layer names peft's
+    tuner layers declare (``lora_A``, ``ia3_l``, ``hada_w1_a``, ...), ``modules_to_save``, or prompt learning's."""
+    return bool(_adapter_segments().intersection(name.split("."))) or name.startswith("prompt_encoder.") \
+        or ".prompt_encoder." in name or name == "prompt_embeddings"
+
+
+@functools.cache
+def _adapter_segments() -> frozenset[str]:
+    names = set(_ADAPTER_CONTAINERS)
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return frozenset(names)
+    classes = [BaseTunerLayer]
+    while classes:
+        cls = classes.pop()
+        names.update(getattr(cls, "adapter_layer_names", ()))
+        classes.extend(cls.__subclasses__())
+    return frozenset(names)
 
 
 def adapter_tensors(module: nn.Module) -> set[str]:

@@ -17,6 +17,7 @@ from lightning_fsdp2.checkpoint.plan import (
     adapter_tensors,
     align_prefixes,
     canonical_name,
+    is_adapter_key,
     listing,
     peft_saved,
     plan_load,
@@ -77,8 +78,9 @@ def declare_load(module: nn.Module, source: PretrainedSource, *, strict: bool, a
     # Checked now, while the user is still in configure_model, so that a wrong path or model fails before any
     # sharding; planned again after sharding, when get_peft_model may have renamed and added parameters.
     opened = open_source(source) if adapters_only else with_conversions(module, open_source(source))
-    plan = check_pretrained(module, opened, strict=strict, adapters_only=adapters_only)
-    if any(p.is_meta for p in module.parameters()):
+    deferred = any(p.is_meta for p in module.parameters())
+    plan = check_pretrained(module, opened, strict=strict, adapters_only=adapters_only, deferred=deferred)
+    if deferred:
         if not materialized_later():
             raise CheckpointFileError(
                 f"{type(module).__name__} is on the meta device, but nothing will materialize it and run the load"
@@ -92,12 +94,20 @@ def declare_load(module: nn.Module, source: PretrainedSource, *, strict: bool, a
 
 
 def check_pretrained(
-    module: nn.Module, source: TensorSource, *, strict: bool, warn: bool = True, adapters_only: bool = False
+    module: nn.Module,
+    source: TensorSource,
+    *,
+    strict: bool,
+    warn: bool = True,
+    adapters_only: bool = False,
+    deferred: bool = False,
 ) -> LoadPlan:
     """Plan loading ``source`` into ``module`` by canonical (peft-agnostic) names; raise or warn on misfits.
 
     Required: every parameter but peft's adapters (a base model's weights), or with ``adapters_only`` every adapter
-    parameter and nothing else (saved adapters)."""
+    parameter and nothing else (saved adapters). A ``deferred`` load is planned again when it runs: the source's
+    adapter tensors may fit then (``get_peft_model`` after ``load_pretrained``), so they are not held against it
+    now."""
     names = adapter_names(module)
     # A saved adapter directory names some tensors as peft's save_pretrained does, not as the model does; a whole
     # checkpoint (a Hugging Face model, a full state dict) uses the model's own names, and there peft's saved names
@@ -137,6 +147,9 @@ def check_pretrained(
     else:
         fresh = adapter_params | {name for name, _ in module.named_buffers()}  # keep their init when not in source
         missing = [n for n in plan.missing if n not in fresh]
+    adapter_keys = [k for k in plan.unexpected if is_adapter_key(canonical_name(k, names))]
+    if deferred and not adapter_params:
+        plan.unexpected = [k for k in plan.unexpected if k not in adapter_keys]
     problems = []
     if plan.mismatched:
         problems.append("shapes differ: " + "; ".join(plan.mismatched))
@@ -147,6 +160,11 @@ def check_pretrained(
             f"{len(plan.unexpected)} key(s) in the source fit nothing in the model: {listing(plan.unexpected)}"
             " (pass strict=False to ignore them)"
         )
+        if adapter_keys and not adapter_params:
+            problems.append(
+                f"{len(adapter_keys)} of them are peft adapter tensors and the model has no peft adapters: wrap it"
+                " with get_peft_model (with the run's config) before the load runs, in configure_model"
+            )
     if problems and isinstance(source, ConvertedSource):
         problems.append(source.describe())
     if problems and adapters_only:
