@@ -201,22 +201,33 @@ def is_decoder_layer(name: str, module: torch.nn.Module) -> bool:
     return type(module).__name__.endswith("DecoderLayer")
 
 
+def epochs_for(steps: int, batches: int, devices: str, num_nodes: int) -> int | None:
+    """Enough epochs for ``steps`` optimizer steps when each process gets ``1/world`` of the ``batches``; ``None``
+    (Lightning's default: as many as needed) when the number of devices is not a plain number."""
+    if not devices.isdigit():
+        return None
+    per_process = max(1, math.ceil(batches / (int(devices) * num_nodes)))
+    return math.ceil(steps / per_process)
+
+
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+        """--help shows each default, and the description as written."""
+
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=Help)
     parser.add_argument("--model", help="Hugging Face model directory (default: a tiny Llama made locally)")
     parser.add_argument("--adapter", help="start from peft adapters saved earlier (a directory)")
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", default="2", help="as Trainer(devices=...): a number, 'auto', or a list '0,1'")
     parser.add_argument("--num-nodes", type=int, default=1)
-    parser.add_argument("--precision", default="bf16-true", help="bf16-true (default), bf16-mixed, 32-true, ...")
+    parser.add_argument("--precision", default="bf16-true", help="bf16-true, bf16-mixed, 32-true, ...")
     parser.add_argument("--max-steps", type=int, default=60)
     parser.add_argument("--batch-size", type=int, default=8, help="per process")
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--export-every", type=int, default=0, help="also save the adapters every N steps")
-    parser.add_argument("--merge", action=argparse.BooleanOptionalAction, default=True,
-                        help="write the merged model (default: yes)")
+    parser.add_argument("--merge", action=argparse.BooleanOptionalAction, default=True, help="write the merged model")
     parser.add_argument("--start-method", default="popen", choices=["popen", "spawn", "fork", "forkserver"])
     parser.add_argument("--out", default="outputs/lora_finetune")
     args = parser.parse_args()
@@ -243,6 +254,7 @@ def main() -> None:
         strategy=strategy,
         precision=args.precision,
         max_steps=args.max_steps,
+        max_epochs=epochs_for(args.max_steps, len(train), args.devices, args.num_nodes),  # for the progress bar
         limit_val_batches=4,
         val_check_interval=args.max_steps,  # validate once, after the last step
         check_val_every_n_epoch=None,

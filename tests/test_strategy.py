@@ -205,7 +205,7 @@ def test_accumulation_skips_reduce_scatter_on_non_final_micro_batches() -> None:
 
 
 # --------------------------------------------------------------------------- mixed precision
-def _fit_bf16_mixed(user_policy: bool) -> dict:
+def _fit_bf16_mixed(user_policy: str | None) -> dict:
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     seen: dict = {}
@@ -217,7 +217,13 @@ def _fit_bf16_mixed(user_policy: bool) -> dict:
             return out.loss
 
     module = Probe()
-    policy = MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32) if user_policy else None
+    policy = {
+        None: None,
+        "fp16-params": MixedPrecisionPolicy(param_dtype=torch.float16, reduce_dtype=torch.float32),
+        # strategy-options.md's example: fp32 outputs of the model (its roots), bf16 between the blocks
+        "fp32-output": MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32,
+                                            output_dtype=torch.float32),
+    }[user_policy]
     trainer = L.Trainer(
         accelerator="cpu",
         devices=2,
@@ -235,12 +241,13 @@ def _fit_bf16_mixed(user_policy: bool) -> dict:
     }
 
 
-@pytest.mark.parametrize("user_policy", [False, True], ids=["from-precision", "user-policy"])
-def test_bf16_mixed_keeps_fp32_master_weights_and_computes_low(user_policy: bool) -> None:
+@pytest.mark.parametrize("user_policy", [None, "fp16-params", "fp32-output"])
+def test_bf16_mixed_keeps_fp32_master_weights_and_computes_low(user_policy: str | None) -> None:
     rank = run_distributed(_fit_bf16_mixed, 2, user_policy)[0]
     assert rank["params"] == ["torch.float32"]
     assert rank["grads"] == ["torch.float32"]
-    assert rank["logits"] == ("torch.float16" if user_policy else "torch.bfloat16")
+    logits = {None: "torch.bfloat16", "fp16-params": "torch.float16", "fp32-output": "torch.float32"}[user_policy]
+    assert rank["logits"] == logits
     assert rank["finite"]
 
 
@@ -253,7 +260,8 @@ def _fit_16_mixed() -> dict:
     )
     trainer.fit(module)
     scaler = trainer.strategy.precision_plugin.scaler
-    return {"losses": module.losses, "scale": float(scaler.get_scale()), "state": full_state(module)}
+    return {"losses": module.losses, "scale": float(scaler.get_scale()), "state": full_state(module),
+            "device": trainer.precision_plugin.device}
 
 
 def test_16_mixed_uses_a_sharded_grad_scaler() -> None:
@@ -261,6 +269,7 @@ def test_16_mixed_uses_a_sharded_grad_scaler() -> None:
     assert all(torch.isfinite(torch.tensor(results[0]["losses"])))
     # The loss really was scaled (a scaler without a supported device disables itself and reports 1.0) ...
     assert results[0]["scale"] == results[1]["scale"] > 1.0
+    assert results[0]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # as Lightning's plugins have it
     for key, value in results[0]["state"].items():
         assert torch.equal(value, results[1]["state"][key])
 
@@ -292,8 +301,9 @@ class RebuildingModule(LlamaModule):
 
 def _error_of(case: str) -> str:
     world = int(__import__("os").environ["WORLD_SIZE"])
-    modules = {"empty": EmptyModule, "fsdp1": FSDP1Module, "rebuild": RebuildingModule, "offload": LlamaModule}
-    strategy = FSDP2Strategy(cpu_offload=(case == "offload"))
+    modules = {"empty": EmptyModule, "fsdp1": FSDP1Module, "rebuild": RebuildingModule, "offload": LlamaModule,
+               "reshard": LlamaModule}
+    strategy = FSDP2Strategy(cpu_offload=(case == "offload"), reshard_after_forward=world if case == "reshard" else True)
     trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, **_trainer_kwargs(max_steps=1))
     module = modules[case]()
     try:
@@ -311,6 +321,7 @@ def _error_of(case: str) -> str:
         ("fsdp1", r"TypeError: Modules \['layer'\] are wrapped in FSDP1's FullyShardedDataParallel"),
         ("rebuild", r"RuntimeError: `configure_model` built new layers on a model that is already sharded"),
         ("offload", r"ValueError: FSDP2Strategy\(cpu_offload=True\) .* already on the CPU"),
+        ("reshard", r"ValueError: FSDP2Strategy\(reshard_after_forward=2\) .* world size 2.* divisor of 2 other than 1"),
     ],
 )
 def test_clear_errors(case: str, expected: str) -> None:
@@ -353,3 +364,30 @@ def test_validate_test_and_predict_after_fit() -> None:
         expected_loss = reference.model(input_ids=batches, labels=batches).loss.item()
     assert results[0]["val"] == pytest.approx(expected_loss, abs=1e-5)
     assert results[0]["predictions"].shape[-1] == batches.shape[-1]
+
+
+# --------------------------------------------------------------------------- processes started outside Lightning
+def _fit_with_devices(devices: int, torchelastic: bool) -> str:
+    import os
+
+    if torchelastic:  # what torchrun sets besides RANK/LOCAL_RANK/WORLD_SIZE: Lightning then picks its environment
+        os.environ.update(GROUP_RANK="0", LOCAL_WORLD_SIZE=os.environ["WORLD_SIZE"], TORCHELASTIC_RUN_ID="test")
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=FSDP2Strategy(), max_steps=1,
+                        **quiet_trainer_kwargs())
+    try:
+        trainer.fit(LlamaModule())
+    except ValueError as error:
+        return f"{type(trainer.strategy.cluster_environment).__name__}: {error}"
+    return "trained"
+
+
+@pytest.mark.parametrize("torchelastic", [False, True], ids=["launcher-env", "torchrun"])
+def test_a_launch_that_disagrees_with_devices_is_refused_on_every_rank(torchelastic: bool) -> None:
+    """Two processes started outside Lightning with `devices=1`, one with `devices=2`: Lightning's own settings check
+    (torchrun's environment) or ours (any other launcher) raises on every rank before any work, instead of an
+    IndexError or silently training on half the data."""
+    for result in run_distributed(_fit_with_devices, 2, 1, torchelastic):
+        assert "does not match the world size (2)" in result, result
+        assert ("TorchElastic" in result) == torchelastic, result
+    (alone,) = run_distributed(_fit_with_devices, 1, 2, torchelastic)
+    assert "does not match the world size (1)" in alone, alone

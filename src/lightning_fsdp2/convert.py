@@ -2,8 +2,8 @@
 
 From the command line (one process, no GPU, no process group)::
 
-    python -m lightning_fsdp2.convert last.ckpt/ last-full.ckpt          # sharded directory -> full .ckpt
-    python -m lightning_fsdp2.convert last.ckpt/ hf-model/ --to hf --config-from base-model/
+    lightning-fsdp2-convert last.ckpt/ last-full.ckpt          # sharded directory -> full .ckpt
+    lightning-fsdp2-convert last.ckpt/ hf-model/ --to hf --config-from base-model/
                                                                          # sharded or full -> safetensors directory
 
 The conversion holds the whole model in memory (and, for ``--to full``, the optimizer state): run it on a machine
@@ -37,6 +37,7 @@ from lightning_fsdp2.checkpoint.files import (
     write_files_into,
 )
 from lightning_fsdp2.checkpoint.formats import SHARDED_PATH_KEY
+from lightning_fsdp2.checkpoint.plan import canonical_name, is_adapter_key
 
 __all__ = ["read_full_checkpoint", "sharded_to_full", "to_hf_safetensors", "main"]
 
@@ -89,15 +90,20 @@ def to_hf_safetensors(
     prefix: str | None = None,
     config_from: str | os.PathLike | None = None,
     max_shard_size: str = "5GB",
+    keep_peft_names: bool = False,
 ) -> Path:
     """Write the model weights of checkpoint ``src`` (either format) as a Hugging Face safetensors directory.
 
     ``prefix`` is stripped from every name and names without it are left out: pass the ``LightningModule``
     attribute that holds the Hugging Face model, e.g. ``"model."``. By default, the first name segment if every
-    name shares it. Tied weights are written once. A peft model keeps peft's names (``base_layer``, ``lora_A``);
-    ``load_pretrained`` reads those. ``config_from``: a Hugging Face model directory whose ``config.json`` (and
-    generation config and tokenizer files) are copied along, so that ``from_pretrained(dst)`` works; a checkpoint
-    does not hold the model's configuration.
+    name shares it. Tied weights are written once. ``config_from``: a Hugging Face model directory whose
+    ``config.json`` (and generation config and tokenizer files) are copied along, so that ``from_pretrained(dst)``
+    works; a checkpoint does not hold the model's configuration.
+
+    A checkpoint of a peft model (adapter tensors, ``base_layer`` names) is refused: ``from_pretrained`` would not
+    find its weights under those names, and merging needs the adapter's configuration, which the checkpoint does not
+    hold. Export merged weights or adapters from the run (``lora.save_merged``, ``lora.save_adapter``), or pass
+    ``keep_peft_names=True`` to write peft's names anyway, for ``load_pretrained`` (which reads them).
     """
     import shutil
 
@@ -110,6 +116,15 @@ def to_hf_safetensors(
     weights = {name[len(prefix) :]: t.contiguous() for name, t in state.items() if name.startswith(prefix)}
     if not weights:
         raise ValueError(f"No parameter name in {src} starts with {prefix!r}.")
+    adapters = [name for name in weights if is_adapter_key(canonical_name(name))]
+    if adapters and not keep_peft_names:
+        raise ValueError(
+            f"{src} is a checkpoint of a peft model ({len(adapters)} adapter tensors, e.g. {adapters[0]!r}):"
+            " from_pretrained would not find its weights under peft's names, and merging the adapters needs their"
+            " configuration, which the checkpoint does not hold. Export from the run with"
+            " lightning_fsdp2.lora.save_merged (a model from_pretrained loads) or save_adapter (for"
+            " PeftModel.from_pretrained), or pass --keep-peft-names to write peft's names for load_pretrained."
+        )
     dst = Path(dst)
     check_export_directory(dst)
     tmp = temporary_path(dst)
@@ -131,21 +146,25 @@ _CONFIG_FILES = {"config.json", "generation_config.json", "special_tokens_map.js
 
 
 def main(argv: list[str] | None = None) -> None:
-    """Command-line entry point: ``python -m lightning_fsdp2.convert SRC DST [--to full|hf] [--prefix P]``."""
-    parser = argparse.ArgumentParser(prog="python -m lightning_fsdp2.convert", description=__doc__.split("\n")[0])
+    """Command-line entry point: ``lightning-fsdp2-convert SRC DST [--to full|hf] [--prefix P]`` (the console
+    script; ``python -m lightning_fsdp2.convert`` is the same)."""
+    parser = argparse.ArgumentParser(prog="lightning-fsdp2-convert", description=__doc__.split("\n")[0])
     parser.add_argument("src", help="a sharded checkpoint directory (or, for --to hf, a full .ckpt file)")
     parser.add_argument("dst", help="the full .ckpt file or Hugging Face directory to write")
     parser.add_argument("--to", choices=["full", "hf"], default="full", help="output format (default: full)")
     parser.add_argument("--prefix", default=None, help="for --to hf: name prefix to strip, e.g. 'model.'")
     parser.add_argument("--config-from", default=None, help="for --to hf: model directory to copy config.json from")
     parser.add_argument("--max-shard-size", default="5GB", help="for --to hf: largest safetensors file")
+    parser.add_argument("--keep-peft-names", action="store_true",
+                        help="for --to hf: write a peft model's weights under peft's names (for load_pretrained)")
     args = parser.parse_args(argv)
     try:
         if args.to == "full":
             out = sharded_to_full(args.src, args.dst)
         else:
             out = to_hf_safetensors(
-                args.src, args.dst, prefix=args.prefix, config_from=args.config_from, max_shard_size=args.max_shard_size
+                args.src, args.dst, prefix=args.prefix, config_from=args.config_from,
+                max_shard_size=args.max_shard_size, keep_peft_names=args.keep_peft_names,
             )
     except (CheckpointFileError, FileNotFoundError, ValueError) as err:
         parser.exit(1, f"error: {err}\n")

@@ -49,6 +49,9 @@ class FSDP2Precision(Precision):
         precision: one of ``"32-true"``, ``"bf16-true"``, ``"16-true"``, ``"bf16-mixed"``, ``"16-mixed"``.
         scaler: gradient scaler for ``"16-mixed"``; defaults to FSDP's ``ShardedGradScaler``, which agrees on
             "found inf" across ranks (each rank sees only its shard of the gradients).
+
+    Like Lightning's own plugins it has ``precision``, ``scaler`` (``None`` but for ``"16-mixed"``) and ``device``
+    (``"cuda"`` where CUDA is available, else ``"cpu"``).
     """
 
     def __init__(self, precision: FSDP2PrecisionType = "32-true", scaler: Any | None = None) -> None:
@@ -68,6 +71,8 @@ class FSDP2Precision(Precision):
             # Its default device is "cuda", and without CUDA it silently disables itself: name the device.
             scaler = ShardedGradScaler(device="cuda" if torch.cuda.is_available() else "cpu")
         self.scaler = scaler
+        # As Lightning's MixedPrecision plugin: the device type its computation targets ("cuda" where there is one).
+        self.device = "cuda" if torch.cuda.is_available() else "cpu"
 
     @property
     def is_true_precision(self) -> bool:

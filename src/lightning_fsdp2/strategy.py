@@ -16,6 +16,7 @@ Checkpoints are saved and loaded by ``checkpoint/formats.py``, in the format ``s
 
 from __future__ import annotations
 
+import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -233,6 +234,7 @@ class FSDP2Strategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         """Start the process group and build the device mesh."""
+        self._validate_external_launch()
         super().setup_environment()
         if self._offload_policy is not None and self.root_device.type == "cpu":
             raise ValueError(
@@ -241,6 +243,13 @@ class FSDP2Strategy(ParallelStrategy):
             )
         reset_seed()
         self.set_world_ranks()
+        resharded = self._reshard_after_forward
+        if not isinstance(resharded, bool) and not (1 < resharded < self.world_size and self.world_size % resharded == 0):
+            raise ValueError(
+                f"FSDP2Strategy(reshard_after_forward={resharded}) at world size {self.world_size}: an int is the size"
+                f" of the groups parameters are resharded to after forward, a divisor of {self.world_size} other than 1"
+                f" and {self.world_size} (those are reshard_after_forward=False and True)."
+            )
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -254,6 +263,29 @@ class FSDP2Strategy(ParallelStrategy):
             self._background = ckpt.BackgroundWriter()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # as ModelParallelStrategy: visible in configure_model
+
+    def _validate_external_launch(self) -> None:
+        """Processes started outside Lightning (torchrun, SLURM, any launcher) must be as many as the Trainer's
+        ``devices * num_nodes``: Lightning's launchers check that, but with no launcher nobody does, and a mismatch
+        trains silently on part of the data or fails in an index. Checked from each rank's own environment before
+        any collective, so every rank raises together."""
+        env = self.cluster_environment
+        if env is None or not env.creates_processes_externally:
+            return
+        env.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)  # torchrun's and SLURM's own
+        expected = self.num_processes * self.num_nodes
+        world = os.environ.get("WORLD_SIZE")
+        if world is not None and int(world) != expected:
+            raise ValueError(
+                f"You set `devices={self.num_processes}` and `num_nodes={self.num_nodes}` in Lightning, but the product"
+                f" ({self.num_processes} * {self.num_nodes}) does not match the world size ({world}) of the processes"
+                " your launcher started. Set `devices` to the processes per node and `num_nodes` to the nodes."
+            )
+        if not 0 <= self.local_rank < self.num_processes:
+            raise ValueError(
+                f"This process has LOCAL_RANK={self.local_rank}, but `devices={self.num_processes}` in Lightning: set"
+                " `devices` to the number of processes the launcher starts per node."
+            )
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment and ``rank_zero_only`` this process's global rank."""

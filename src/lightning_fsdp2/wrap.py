@@ -9,6 +9,7 @@ norm, head).
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, Union
@@ -139,9 +140,12 @@ def shard_model(
       one group only, so it is left to the enclosing group (at worst the root) that holds every user of it.
     """
     select = resolve_policy(policy, model)
+    mp_policy = mp_policy or MixedPrecisionPolicy()
     kwargs = {
         "mesh": mesh,
-        "mp_policy": mp_policy or MixedPrecisionPolicy(),
+        # `output_dtype` is what the model's outputs are cast to: the roots' outputs. Cast at every block, a block's
+        # fp32 output would meet the next block's (or the head's) low-precision weights.
+        "mp_policy": dataclasses.replace(mp_policy, output_dtype=None),
         "reshard_after_forward": reshard_after_forward,
     }
     if offload_policy is not None:
@@ -161,6 +165,7 @@ def shard_model(
     # so resharding would only buy an extra all-gather); an explicit `False` or int from the user is passed on.
     if reshard_after_forward is True:
         kwargs["reshard_after_forward"] = None
+    kwargs["mp_policy"] = mp_policy
     for name in root_names(model):  # looks at the owners afresh: sharding replaced the grouped parameters
         root = model.get_submodule(name)
         if not isinstance(root, FSDPModule):  # a child the policy selected is a group, and a root, already
