@@ -8,6 +8,20 @@ from pathlib import Path
 import pytest
 
 from tests.helpers import run_distributed
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--runslow", action="store_true", help="also run the tests marked slow (CI does: .ci/run)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """`make test` skips the tests marked `slow` (the wide matrices, several fits each); `--runslow` runs them."""
+    if config.getoption("--runslow"):
+        return
+    skip = pytest.mark.skip(reason="slow: run with --runslow (make test PYTEST_ARGS=--runslow, or .ci/run)")
+    for item in items:
+        if "slow" in item.keywords:
+            item.add_marker(skip)
 from tests.models import fit_resumable, save_tiny_pretrained
 
 

@@ -183,12 +183,14 @@ def _sharded_cells(arch: str, pretrained: str, cells: dict[str, tuple[str, str]]
 
 
 # --------------------------------------------------------------------------- the one-process reference
-def _methods(arch: str) -> list[str]:
-    return [m for m in METHODS if (arch, m) not in NOT_IN_PEFT]
+def _methods(arch: str, everything: bool) -> tuple[str, ...]:
+    """The cells of ``arch`` this session runs: all of them, or without --runslow the Llama row and LoRA column."""
+    wanted = METHODS if everything or arch == "llama" else ["lora"]
+    return tuple(m for m in wanted if (arch, m) not in NOT_IN_PEFT)
 
 
 @functools.cache
-def _row(arch: str, root: Path) -> dict:
+def _row(arch: str, root: Path, methods: tuple[str, ...]) -> dict:
     """One launch for every method of ``arch``: the sharded results and peft's own in one process."""
     from peft import get_peft_model
 
@@ -197,7 +199,7 @@ def _row(arch: str, root: Path) -> dict:
     model.save_pretrained(root / "pretrained")
     base = lambda: type(model).from_pretrained(root / "pretrained")  # noqa: E731
     reference, cells = {}, {}
-    for method in _methods(arch):
+    for method in methods:
         torch.manual_seed(0)
         eager = get_peft_model(base(), peft_config(arch, method))
         fresh = {"adapters": adapter_tensors(eager), "outputs": outputs(eager, inputs)}
@@ -234,10 +236,11 @@ def _worst(a: dict, b: dict) -> tuple[float, str]:
 
 
 @pytest.mark.parametrize(("arch", "method"), list(_cells()))
-def test_peft_method_on_architecture(arch: str, method: str, tmp_path_factory) -> None:
+def test_peft_method_on_architecture(arch: str, method: str, tmp_path_factory, request) -> None:
     from peft import PeftModel
 
-    row = _row(arch, tmp_path_factory.getbasetemp() / f"peft-matrix-{arch}")
+    methods = _methods(arch, request.config.getoption("--runslow"))
+    row = _row(arch, tmp_path_factory.getbasetemp() / f"peft-matrix-{arch}-{len(methods)}", methods)
     ref, got = row["reference"][method], row["sharded"][method]
     assert "error" not in got, got.get("error")
 
@@ -358,10 +361,11 @@ def _declared_on_module(arch: str, method: str, pretrained: str, adapter: str) -
 
 
 @pytest.mark.parametrize("method", ["lora", "dora", "ia3", "modules_to_save", "prompt"])
-def test_loads_declared_on_the_lightning_module_that_holds_the_peft_model(method: str, tmp_path_factory) -> None:
+def test_loads_declared_on_the_lightning_module_that_holds_the_peft_model(method: str, tmp_path_factory, request) -> None:
     """`load_pretrained(self, ...)` and `load_adapter(self, ...)` in configure_model, after get_peft_model: the names
     under the LightningModule (`model.base_model.model....`) match the checkpoint's, as they do on the peft model."""
-    row = _row("llama", tmp_path_factory.getbasetemp() / "peft-matrix-llama")
+    methods = _methods("llama", request.config.getoption("--runslow"))
+    row = _row("llama", tmp_path_factory.getbasetemp() / f"peft-matrix-llama-{len(methods)}", methods)
     expected = row["sharded"][method]["trained"]
     adapter = row["root"] / method / "out"
     got = run_distributed(_declared_on_module, 2, "llama", method, str(row["root"] / "pretrained"), str(adapter))[0]
