@@ -391,3 +391,49 @@ def test_a_launch_that_disagrees_with_devices_is_refused_on_every_rank(torchelas
         assert ("TorchElastic" in result) == torchelastic, result
     (alone,) = run_distributed(_fit_with_devices, 1, 2, torchelastic)
     assert "does not match the world size (1)" in alone, alone
+
+
+# --------------------------------------------------------------------------- tensors built for real
+class PerRankValues(L.LightningModule):
+    """Built for real with a different seed on each rank: in `__init__`, or in configure_model with meta_init=False."""
+
+    def __init__(self, where: str) -> None:
+        super().__init__()
+        self.where, self.initial, self.net = where, None, None
+        if where == "__init__":
+            self._build()
+
+    def _build(self) -> None:
+        torch.manual_seed(100 + int(__import__("os").environ["RANK"]))  # another seed on each rank
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 8), torch.nn.Linear(8, 4))
+        self.net.register_buffer("scale", torch.rand(4))
+        self.initial = {k: v.detach().clone() for k, v in self.net.state_dict().items()}
+
+    def configure_model(self) -> None:
+        if self.net is None:
+            self._build()
+
+    def validation_step(self, batch, batch_idx: int) -> None:
+        pass
+
+    def val_dataloader(self) -> DataLoader:
+        return DataLoader(TokenDataset(1), batch_size=1)
+
+
+def _real_build(where: str) -> dict:
+    module = PerRankValues(where)
+    strategy = FSDP2Strategy(meta_init=(where == "__init__"))
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, **quiet_trainer_kwargs())
+    trainer.validate(module, verbose=False)
+    return {"initial": module.initial, "state": {k.removeprefix("net."): v for k, v in full_state(module).items()}}
+
+
+@pytest.mark.parametrize("where", ["__init__", "meta_init=False"])
+def test_tensors_built_for_real_take_rank_0s_values_as_with_ddp(where: str) -> None:
+    """fully_shard keeps each rank's own slice of its own tensor; built with another seed on each rank, the sharded
+    model would stitch rank 0's rows to rank 1's. Broadcast before sharding, every rank holds rank 0's values."""
+    ranks = run_distributed(_real_build, 2, where)
+    assert not torch.equal(ranks[0]["initial"]["0.weight"], ranks[1]["initial"]["0.weight"]), "the ranks differ"
+    for rank in ranks:
+        for name, value in ranks[0]["initial"].items():
+            assert torch.equal(rank["state"][name], value), name

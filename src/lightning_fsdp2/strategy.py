@@ -329,6 +329,7 @@ class FSDP2Strategy(ParallelStrategy):
         # Planned before sharding, so that a checkpoint that does not fit fails before any memory is allocated.
         pretrained = ckpt.pending_pretrained(module)
         module = self.precision_plugin.convert_module(module)
+        self._broadcast_real_tensors(module)
         if self._activation_checkpointing_policy is not None:
             checkpointed = apply_activation_checkpointing(module, self._activation_checkpointing_policy)
             self._kv_cache_configs = kv_cache_configs(module, checkpointed)
@@ -353,6 +354,23 @@ class FSDP2Strategy(ParallelStrategy):
         check_initialized(module, to_initialize, self.root_device)
         module._fsdp2_parallelized = True
         return module
+
+    @torch.no_grad()
+    def _broadcast_real_tensors(self, module: nn.Module) -> None:
+        """Give every rank rank 0's values of the tensors built for real (in ``__init__``, or with
+        ``meta_init=False``), as DDP does: ``fully_shard`` keeps each rank's own slice of its own tensor, so values
+        that differ between ranks (another seed, weights loaded on one rank) would end up stitched together. One
+        tensor at a time, through the device for backends that need it (NCCL). Meta tensors are left alone: they get
+        their values after sharding."""
+        if self.world_size == 1:
+            return
+        for tensor in [*module.parameters(), *module.buffers()]:
+            if tensor.is_meta:
+                continue
+            staged = tensor.data if tensor.device == self.root_device else tensor.data.to(self.root_device)
+            torch.distributed.broadcast(staged, src=0)
+            if staged is not tensor.data:
+                tensor.data.copy_(staged)
 
     def model_to_device(self) -> None:
         """Nothing to do: ``fully_shard`` and materialization placed every shard on its device."""
