@@ -41,7 +41,7 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -550,20 +550,66 @@ class FSDP2Strategy(ParallelStrategy):
 
 
 class _ShardedMultiProcessingLauncher(_MultiProcessingLauncher):
-    """Lightning's spawn/fork launcher, minus sending rank 0's weights back to the main process.
+    """Lightning's spawn/fork launcher, sending the trained weights back to the main process as it does for DDP.
 
-    Lightning's launcher ships rank 0's ``state_dict()`` to the main process and loads it there. Under FSDP2 rank 0
-    holds only its shards, and the main process never ran ``configure_model``, so there is nothing correct to load.
-    The main process still receives the trainer state, the results and the best checkpoint path; the trained weights
-    are where checkpoints put them.
+    Under FSDP2 rank 0 holds only its shards, so after ``fit`` every rank takes part in gathering the full state to
+    rank 0's CPU (DCP's ``get_model_state_dict``), which writes it to a temporary file. The main process loads it
+    into its ``LightningModule``: as it is, when the model was built in ``__init__``; after running
+    ``configure_model`` there (for real, on the CPU) when the model is built in that hook. If the file still does
+    not fit, a warning says so, and where the weights are: the run's checkpoints.
     """
 
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
+        weights_path = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+            # A collective: every rank sends its shards; only rank 0 keeps the (CPU) tensors.
+            options = StateDictOptions(full_state_dict=True, cpu_offload=True)
+            state = get_model_state_dict(trainer.lightning_module, options=options)
+            if self._strategy.local_rank == 0:
+                import tempfile
+
+                weights_path = os.path.join(tempfile.mkdtemp(), "trained.pt")
+                torch.save(state, weights_path)
+            del state
         if self._strategy.local_rank != 0:
             return None
         callback = trainer.checkpoint_callback
         best_model_path = getattr(callback, "best_model_path", None) if callback else None
-        return _WorkerOutput(best_model_path, None, trainer.state, results, self.get_extra_results(trainer))
+        return _WorkerOutput(best_model_path, weights_path, trainer.state, results, self.get_extra_results(trainer))
+
+    def _recover_results_in_main_process(self, worker_output: _WorkerOutput, trainer: pl.Trainer) -> None:
+        path = worker_output.weights_path
+        super()._recover_results_in_main_process(worker_output._replace(weights_path=None), trainer)
+        if path is None:
+            return
+        try:
+            _load_trained_in_main_process(trainer.lightning_module, torch.load(path, weights_only=True, mmap=True),
+                                          self._strategy.precision_plugin)
+        finally:
+            import shutil
+
+            shutil.rmtree(os.path.dirname(path), ignore_errors=True)
+
+
+def _load_trained_in_main_process(module: pl.LightningModule, state: dict[str, Any], precision: Precision) -> None:
+    """The main process's module takes the trained weights: built in ``configure_model``, it is built here first."""
+    if not set(state) <= set(module.state_dict()):
+        try:
+            with precision.module_init_context():
+                module.configure_model()
+        except Exception as error:  # noqa: BLE001 - reported below, with where the weights are
+            rank_zero_warn(f"`configure_model` failed in the main process ({error}).")
+    missing = sorted(set(state) - set(module.state_dict()))
+    if missing:
+        rank_zero_warn(
+            f"The trained weights were not loaded into {type(module).__name__} in the main process: it has no"
+            f" {missing[:3]}... after `configure_model`. They are in the run's checkpoints"
+            " (trainer.save_checkpoint / ModelCheckpoint inside fit, or lora.save_adapter/save_merged)."
+        )
+        return
+    module.load_state_dict(state, strict=False)
 
 
 def _as_fsdp2_precision(plugin: Precision | None) -> FSDP2Precision | None:

@@ -44,3 +44,20 @@ def test_example_runs_under_lightnings_launchers(start_method: str, tmp_path: Pa
         base = AutoModelForCausalLM.from_pretrained(tmp_path / "outputs" / "tiny-llama")
         adapted = PeftModel.from_pretrained(base, tmp_path / "adapter" / "final")(input_ids=tokens).logits
     assert (merged - adapted).abs().max() < 0.1
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("start_method", "where"), [("spawn", "configure_model"), ("fork", "init")])
+def test_after_a_spawned_fit_the_main_process_holds_the_trained_weights(start_method: str, where: str,
+                                                                      tmp_path: Path) -> None:
+    """As Lightning does for DDP: after fit under spawn/fork, the user's module in the main process has the trained
+    weights (equal to the checkpoint written at the end of fit), whether it was built in `__init__` or in
+    `configure_model` (run again in the main process)."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "NODE_RANK")}
+    script = ROOT / "tests" / "integration" / "spawn_fit.py"
+    proc = subprocess.run([sys.executable, str(script), start_method, str(tmp_path / "end.ckpt"), where],
+                          cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    result = dict(item.split("=") for item in proc.stdout.split("RESULT ")[1].split())
+    assert float(result["max_diff"]) == 0.0, result
+    assert float(result["moved"]) > 1e-4, result  # trained, not the initial weights
