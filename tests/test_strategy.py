@@ -301,10 +301,14 @@ class RebuildingModule(LlamaModule):
 
 def _error_of(case: str) -> str:
     world = int(__import__("os").environ["WORLD_SIZE"])
+    from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+
     modules = {"empty": EmptyModule, "fsdp1": FSDP1Module, "rebuild": RebuildingModule, "offload": LlamaModule,
-               "reshard": LlamaModule}
+               "reshard": LlamaModule, "ema": LlamaModule, "swa": LlamaModule}
     strategy = FSDP2Strategy(cpu_offload=(case == "offload"), reshard_after_forward=world if case == "reshard" else True)
-    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, **_trainer_kwargs(max_steps=1))
+    callbacks = {"ema": [EMAWeightAveraging()], "swa": [StochasticWeightAveraging(swa_lrs=1e-2)]}.get(case, [])
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=strategy, callbacks=callbacks,
+                        **_trainer_kwargs(max_steps=1))
     module = modules[case]()
     try:
         trainer.fit(module)
@@ -322,6 +326,8 @@ def _error_of(case: str) -> str:
         ("rebuild", r"RuntimeError: `configure_model` built new layers on a model that is already sharded"),
         ("offload", r"ValueError: FSDP2Strategy\(cpu_offload=True\) .* already on the CPU"),
         ("reshard", r"ValueError: FSDP2Strategy\(reshard_after_forward=2\) .* world size 2.* divisor of 2 other than 1"),
+        ("ema", r"ValueError: EMAWeightAveraging does not work with FSDP2Strategy yet: it deep-copies the whole model"),
+        ("swa", r"ValueError: StochasticWeightAveraging does not work with FSDP2Strategy yet"),
     ],
 )
 def test_clear_errors(case: str, expected: str) -> None:

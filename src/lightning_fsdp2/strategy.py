@@ -235,6 +235,7 @@ class FSDP2Strategy(ParallelStrategy):
     def setup_environment(self) -> None:
         """Start the process group and build the device mesh."""
         self._validate_external_launch()
+        self._refuse_unsupported_callbacks()
         super().setup_environment()
         if self._offload_policy is not None and self.root_device.type == "cpu":
             raise ValueError(
@@ -263,6 +264,22 @@ class FSDP2Strategy(ParallelStrategy):
             self._background = ckpt.BackgroundWriter()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # as ModelParallelStrategy: visible in configure_model
+
+    def _refuse_unsupported_callbacks(self) -> None:
+        """Lightning's weight-averaging callbacks deep-copy the whole module (FSDP2 refuses to deep-copy a sharded
+        one; built before sharding, the copy would be unsharded, every rank holding the whole model) and copy values
+        between plain and sharded tensors: refused before any work, rather than failing in the middle of fit."""
+        from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
+
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        refused = [type(c).__name__ for c in getattr(trainer, "callbacks", []) or []
+                   if isinstance(c, (WeightAveraging, StochasticWeightAveraging))]
+        if refused:
+            raise ValueError(
+                f"{', '.join(refused)} does not work with FSDP2Strategy yet: it deep-copies the whole model, which a"
+                " sharded model cannot be (and every rank would hold a whole copy). Remove the callback; to average"
+                " weights, average saved checkpoints or adapters offline."
+            )
 
     def _validate_external_launch(self) -> None:
         """Processes started outside Lightning (torchrun, SLURM, any launcher) must be as many as the Trainer's
