@@ -206,3 +206,34 @@ def test_support_matrix_is_what_the_tests_run() -> None:
     assert current == support_matrix(), (
         "docs/support.md's matrix differs from tests/test_peft_matrix.py; paste tests.test_docs.support_matrix()"
     )
+
+
+# ------------------------------------------------------------------------------------------------ error messages
+_TESTED_BY = re.compile(r'^<!-- tested by (tests/[\w/]+\.py)::(\w+): "([^"]+)" -->$')
+
+
+def test_every_error_in_troubleshooting_is_triggered_by_a_named_test() -> None:
+    """Each entry of troubleshooting.md (but "Not errors, but surprising") names, right under its heading, the test
+    that triggers the error and a fragment of its message; the fragment is in the entry and in that test's code
+    (decorators included), so the quoted message is the one a test produces."""
+    import ast
+
+    text = (DOCS / "troubleshooting.md").read_text(encoding="utf-8")
+    errors = text.split("\n## Not errors, but surprising")[0]
+    sections = re.split(r"(?m)^(?=### )", errors)[1:]
+    assert len(sections) > 40
+    for section in sections:
+        heading, mark = section.splitlines()[:2]
+        if mark.startswith("<!-- not an error message"):
+            continue
+        found = _TESTED_BY.match(mark)
+        assert found, f"{heading}: no `<!-- tested by tests/FILE.py::TEST: \"fragment\" -->` under it"
+        path, name, fragment = found.groups()
+        assert fragment in section.replace(mark, ""), f"{heading}: {fragment!r} is not in the entry"
+        source = (ROOT / path).read_text(encoding="utf-8")
+        functions = {n.name: n for n in ast.parse(source).body if isinstance(n, ast.FunctionDef)}
+        assert name in functions, f"{heading}: {path} has no test {name}"
+        node = functions[name]
+        start = min([d.lineno for d in node.decorator_list] + [node.lineno])
+        code = "\n".join(source.splitlines()[start - 1 : node.end_lineno])
+        assert fragment in code, f"{heading}: {path}::{name} does not check {fragment!r}"

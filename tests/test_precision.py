@@ -37,7 +37,7 @@ def test_modes(precision: str, stored: torch.dtype, param_dtype, reduce_dtype) -
 
 
 def test_unsupported_precision_names_the_choices() -> None:
-    with pytest.raises(ValueError, match="precision='64-true'.*32-true, bf16-true, 16-true, bf16-mixed, 16-mixed"):
+    with pytest.raises(ValueError, match="does not support precision='64-true'.*32-true, bf16-true, 16-true, bf16-mixed, 16-mixed"):
         FSDP2Precision("64-true")  # type: ignore[arg-type]
     with pytest.raises(ValueError, match="64-true"):
         L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), precision="64-true", logger=False)

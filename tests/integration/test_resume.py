@@ -242,7 +242,9 @@ def test_corrupt_or_mismatched_checkpoints_are_named(pretrained: Path, saved: di
     for name, per_rank in messages.items():
         assert per_rank[0] == per_rank[1], f"{name}: every rank raises the same error"
     assert "CheckpointFileError" in messages["truncated file"][0] and str(truncated) in messages["truncated file"][0]
+    assert "may be truncated or corrupt" in messages["truncated file"][0]
     assert "CheckpointFileError" in messages["truncated shard"][0] and str(shard) in messages["truncated shard"][0]
+    assert "bytes but its index needs" in messages["truncated shard"][0]
     for name in ("full, other shapes", "sharded, other shapes"):
         message = messages[name][0]
         assert "CheckpointFileError" in message, message

@@ -1,0 +1,99 @@
+"""Errors raised in one process, each with the message docs/troubleshooting.md quotes (test_docs checks that every
+entry there names the test that triggers it). The ones that need several processes are in the other test files."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import pytest
+import torch
+
+from lightning_fsdp2 import CheckpointFileError, FSDP2Precision, FSDP2Strategy, load_pretrained
+from lightning_fsdp2.lora import AdapterExport, find_peft_model, load_adapter
+from tests.models import build_llama, tiny_llama_config
+
+
+def test_strategy_and_plugin_arguments_are_checked_when_constructed() -> None:
+    with pytest.raises(ValueError, match="start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got 'thread'"):
+        FSDP2Strategy(start_method="thread")
+    with pytest.raises(ValueError, match="state_dict_type must be 'full' or 'sharded', got 'gathered'"):
+        FSDP2Strategy(state_dict_type="gathered")
+    with pytest.raises(ValueError, match="writes sharded checkpoints in the background"):
+        FSDP2Strategy(async_save=True, state_dict_type="full")
+    with pytest.raises(ValueError, match="A gradient scaler is only used with precision='16-mixed', not 'bf16-mixed'"):
+        FSDP2Precision("bf16-mixed", scaler=torch.amp.GradScaler("cpu"))
+    with pytest.raises(RuntimeError, match="The device mesh exists only after the processes have been set up"):
+        FSDP2Strategy().device_mesh  # noqa: B018 - the property raises
+
+
+def test_a_policy_that_is_neither_classes_nor_a_callable_is_named() -> None:
+    from lightning_fsdp2.wrap import resolve_policy
+
+    with pytest.raises(TypeError, match=r"A module policy must be a set of nn.Module classes or a callable .* got 'blocks'"):
+        resolve_policy("blocks", torch.nn.Linear(2, 2))
+
+
+def test_lora_helpers_name_what_is_missing(tmp_path: Path) -> None:
+    from peft import LoraConfig, get_peft_model
+
+    with pytest.raises(ValueError, match="every_n_train_steps must be a positive integer or None, got 0"):
+        AdapterExport(tmp_path, every_n_train_steps=0)
+    with pytest.raises(ValueError, match="Linear holds no peft model"):
+        find_peft_model(torch.nn.Linear(2, 2))
+    saved = build_llama(lora=True)
+    saved.save_pretrained(tmp_path / "adapter")
+    from transformers import LlamaForCausalLM
+
+    with pytest.raises(CheckpointFileError, match="LlamaForCausalLM has no peft adapters to load saved adapters into"):
+        load_adapter(LlamaForCausalLM(tiny_llama_config()), tmp_path / "adapter")
+    other = get_peft_model(LlamaForCausalLM(tiny_llama_config()), LoraConfig(r=4, target_modules=["k_proj"]))
+    with pytest.raises(CheckpointFileError, match="Cannot load saved adapters into PeftModel.*not in the source"):
+        load_adapter(other, tmp_path / "adapter")
+
+
+def test_a_run_from_a_saved_adapter_config_has_nothing_to_train(tmp_path: Path) -> None:
+    """peft's saved config is in inference mode: the adapters come back frozen, and an optimizer over the trainable
+    parameters is empty (troubleshooting's fix: `config.inference_mode = False`)."""
+    from peft import PeftConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    build_llama(lora=True).save_pretrained(tmp_path / "adapter")
+    config = PeftConfig.from_pretrained(tmp_path / "adapter")
+    model = get_peft_model(LlamaForCausalLM(tiny_llama_config()), config)
+    with pytest.raises(ValueError, match="optimizer got an empty parameter list"):
+        torch.optim.AdamW([p for p in model.parameters() if p.requires_grad])
+    config.inference_mode = False
+    model = get_peft_model(LlamaForCausalLM(tiny_llama_config()), config)
+    assert any(p.requires_grad for p in model.parameters())
+
+
+def test_a_truncated_file_is_named_as_such(tmp_path: Path) -> None:
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM(tiny_llama_config())
+    torch.save(model.state_dict(), tmp_path / "weights.bin")
+    data = (tmp_path / "weights.bin").read_bytes()
+    (tmp_path / "weights.bin").write_bytes(data[: len(data) // 2])
+    with pytest.raises(CheckpointFileError, match=r"Could not read .*weights\.bin.*The file may be truncated or corrupt"):
+        load_pretrained(model, tmp_path / "weights.bin")
+
+
+def test_optimizer_state_that_does_not_fit_is_named() -> None:
+    from lightning_fsdp2.checkpoint import load_optimizers, optimizer_state_by_name
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
+    optimizer = torch.optim.AdamW(model.parameters())
+    model(torch.ones(1, 4)).sum().backward()
+    optimizer.step()
+    state = optimizer.state_dict()
+    with pytest.raises(CheckpointFileError, match=r"holds state for 1 optimizer\(s\), but `configure_optimizers` returned 2"):
+        load_optimizers(model, [optimizer, torch.optim.SGD(model.parameters())], {"optimizer_states": [state]})
+    two_groups = torch.optim.AdamW([{"params": model[0].parameters()}, {"params": model[1].parameters()}])
+    with pytest.raises(CheckpointFileError, match=r"parameter groups of sizes \[4\], but the optimizer's are \[2, 2\]"):
+        optimizer_state_by_name(state, two_groups, model)
+    wrong = copy.deepcopy(state)
+    wrong["state"][0]["exp_avg"] = torch.zeros(5)
+    with pytest.raises(CheckpointFileError, match=r"The optimizer state 'exp_avg' of '0.weight' is \(5,\) in the checkpoint"
+                       r" but \(3, 4\) in the optimizer"):
+        load_optimizers(model, [optimizer], {"optimizer_states": [wrong]})
