@@ -54,7 +54,7 @@ def sections() -> list[tuple[ModuleType, list[str]]]:
     plan: list[tuple[ModuleType, list[str]]] = [
         (top, ["FSDP2Strategy", "FSDP2Precision", "load_pretrained", "CheckpointFileError", "UninitializedError"])
     ]
-    for suffix in ("lora", "convert"):
+    for suffix in ("lora", "averaging", "convert"):
         module = importlib.import_module(f"{PACKAGE}.{suffix}")
         plan.append((module, list(module.__all__)))
     checkpoint = importlib.import_module(f"{PACKAGE}.checkpoint")

@@ -65,6 +65,8 @@ def read_full_checkpoint(src: str | os.PathLike, weights_only: bool = True) -> d
     with safe_dcp.checkpoint_errors(reader):
         _load_state_dict(tensors, storage_reader=reader, planner=planner, no_dist=True)
     checkpoint["state_dict"] = tensors.pop("state_dict", {})
+    for key in checkpoint.get(FORMAT_KEY, {}).pop("entries", []):  # other state dicts of shards (callbacks')
+        checkpoint[key] = tensors.pop(key, {})
     optimizers = sorted((k for k in tensors if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
     if optimizers:
         checkpoint["optimizer_states"] = [optimizer_state_by_index(tensors[k]) for k in optimizers]

@@ -40,7 +40,7 @@ from lightning_fsdp2.checkpoint.plan import listing, plan_load, run_plan
 from lightning_fsdp2.checkpoint.pretrained import has_pretrained
 from lightning_fsdp2.checkpoint.shards import gather_to_rank0, local_slice
 from lightning_fsdp2.checkpoint.sources import StateDictSource
-from lightning_fsdp2.checkpoint.stream import save_streamed
+from lightning_fsdp2.checkpoint.stream import save_streamed, sharded_entries
 
 # Added to a checkpoint dict when it is read (never saved): the file it came from, and for a sharded checkpoint the
 # directory its tensors are still in.
@@ -144,6 +144,8 @@ def save(
     checkpoint["state_dict"] = gather_to_rank0(checkpoint["state_dict"], same_as=same_as)
     if "optimizer_states" in checkpoint:
         checkpoint["optimizer_states"] = [gather_to_rank0(s) for s in checkpoint["optimizer_states"]]
+    for key in sharded_entries(checkpoint):
+        checkpoint[key] = gather_to_rank0(checkpoint[key])
     on_rank0(lambda: checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options), "save")
 
 
@@ -161,9 +163,13 @@ def save_sharded(checkpoint: Mapping[str, Any], path: Path, *, background: Backg
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint import FileSystemWriter
 
+    entries = sharded_entries(checkpoint)
     tensors = {"state_dict": checkpoint["state_dict"]}
     tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.get("optimizer_states", []))})
-    meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+    tensors.update({key: checkpoint[key] for key in entries})
+    meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states", *entries)}
+    if entries:  # where they went: read back with `load_entry`
+        meta[FORMAT_KEY] = {**meta.get(FORMAT_KEY, {}), "entries": entries}
     token = [uuid.uuid4().hex[:8]]
     dist.broadcast_object_list(token, src=0)  # every rank must write into the same temporary directory
     tmp = temporary_path(path, token[0])
@@ -195,6 +201,23 @@ def save_sharded(checkpoint: Mapping[str, Any], path: Path, *, background: Backg
             delete(tmp)  # our partial output
     raise_together(error, f"write the sharded checkpoint {path}")
     on_rank0(lambda: _swap(tmp, path), f"finish the sharded checkpoint {path}")
+
+
+def has_entry(checkpoint: Mapping[str, Any], key: str) -> bool:
+    """Whether ``checkpoint`` (as :func:`load` returns it) holds the state dict ``key``, in either format."""
+    if SHARDED_PATH_KEY in checkpoint:
+        return key in checkpoint.get(FORMAT_KEY, {}).get("entries", [])
+    return key in checkpoint
+
+
+def load_entry(module: nn.Module, checkpoint: Mapping[str, Any], key: str) -> None:
+    """Load the state dict saved under ``key`` (a full one, or shards in a sharded directory) into ``module``'s
+    (sharded) tensors, each rank its slices, at any world size."""
+    if SHARDED_PATH_KEY in checkpoint:
+        load_sharded_model(module, Path(checkpoint[SHARDED_PATH_KEY]), key=key)
+    else:
+        load_full_state_dict(module, checkpoint[key], origin=f"{checkpoint.get(LOADED_FROM_KEY, 'the checkpoint')}"
+                             f" ({key!r})")
 
 
 def _swap(tmp: Path, path: Path) -> None:
@@ -509,9 +532,15 @@ def load_full_optimizer(module: nn.Module, optimizer: Optimizer, state: Mapping[
 
 
 def load_sharded_model(
-    module: nn.Module, path: Path, *, strict: bool = True, may_be_missing: Callable[[str], bool] | None = None
+    module: nn.Module,
+    path: Path,
+    *,
+    strict: bool = True,
+    may_be_missing: Callable[[str], bool] | None = None,
+    key: str = "state_dict",
 ) -> None:
-    """Load the model part of a sharded checkpoint into ``module``, at any world size (DCP reshards)."""
+    """Load the model part (or the state dict saved under ``key``) of a sharded checkpoint into ``module``, at any
+    world size (DCP reshards)."""
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
@@ -519,9 +548,9 @@ def load_sharded_model(
 
     metadata = check_sharded_files(path)
     saved = {
-        k[len("state_dict.") :]: m
+        k[len(key) + 1 :]: m
         for k, m in metadata.state_dict_metadata.items()
-        if k.startswith("state_dict.") and isinstance(m, TensorStorageMetadata)
+        if k.startswith(f"{key}.") and isinstance(m, TensorStorageMetadata)
     }
     state = get_model_state_dict(module)
     missing = [k for k in state if k not in saved and not (may_be_missing and may_be_missing(k))]
@@ -533,7 +562,7 @@ def load_sharded_model(
     ]
     _raise_if_misfit(module, str(path), mismatched, missing if strict else [], unexpected if strict else [])
     state = {k: v for k, v in state.items() if k in saved}
-    safe_dcp.load({"state_dict": state}, path)  # dcp.load with a reader and planner that unpickle no code
+    safe_dcp.load({key: state}, path)  # dcp.load with a reader and planner that unpickle no code
     set_model_state_dict(module, state, options=StateDictOptions(strict=False))
 
 

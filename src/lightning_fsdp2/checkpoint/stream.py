@@ -40,6 +40,24 @@ GATHERED_KEYS = ("state_dict", "optimizer_states")
 """The parts of a Lightning checkpoint that hold sharded tensors (the same structure on every rank)."""
 
 
+def sharded_entries(checkpoint: Mapping[str, Any]) -> list[str]:
+    """Keys of ``checkpoint`` besides ``state_dict`` and ``optimizer_states`` whose values hold ``DTensor`` shards
+    (callbacks' state dicts of sharded tensors, such as weight averaging's ``current_model_state``): saved like the
+    model's state, gathered or sharded, never pickled as they are."""
+    from torch.distributed.tensor import DTensor
+
+    def holds(value: Any) -> bool:
+        if isinstance(value, DTensor):
+            return True
+        if isinstance(value, Mapping):
+            return any(holds(v) for v in value.values())
+        if isinstance(value, (list, tuple)):
+            return any(holds(v) for v in value)
+        return False
+
+    return [k for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states") and holds(v)]
+
+
 def save_streamed(checkpoint: Mapping[str, Any], path: str | os.PathLike, same_as: Mapping[str, str] | None = None) -> None:
     """Write ``checkpoint`` to ``path`` as one ``torch.save`` file; call on every rank.
 
@@ -62,6 +80,7 @@ def save_streamed(checkpoint: Mapping[str, Any], path: str | os.PathLike, same_a
     on_rank0(prepare, f"save to {path}")
     # From here on every rank walks the same structure to the end, whatever happens on rank 0: a rank that stopped
     # sending or receiving halfway would leave the others waiting forever. Rank 0's writer records its first error.
+    entries = sharded_entries(checkpoint)  # other parts holding shards (a callback's state dict)
     writer = _Writer(path, list(_tensors(checkpoint))) if rank0 else None
     error: BaseException | None = None
     try:
@@ -69,7 +88,7 @@ def save_streamed(checkpoint: Mapping[str, Any], path: str | os.PathLike, same_a
         for key, value in checkpoint.items():
             if key == "state_dict" and isinstance(value, Mapping):
                 parts[key] = _stream_state_dict(value, writer, same_as or {})
-            elif key in GATHERED_KEYS:
+            elif key in GATHERED_KEYS or key in entries:
                 parts[key] = _stream(value, writer)
             else:
                 parts[key] = value

@@ -1,0 +1,151 @@
+"""Weight averaging of a sharded model: Lightning's ``WeightAveraging`` and ``EMAWeightAveraging`` callbacks, with
+the averaged copy sharded like the model.
+
+Lightning's callbacks deep-copy the whole ``LightningModule`` into a ``torch.optim.swa_utils.AveragedModel``. FSDP2
+refuses to deep-copy a sharded module, and a copy made before sharding would be whole on every rank. Here the copy
+is made after sharding, of the tensors only: each parameter (and buffer) is cloned as it is, a ``DTensor`` holding
+this rank's shard, into a plain module of the same structure and names. torch's own ``AveragedModel`` code then
+averages shard by shard (its updates are elementwise), with no communication, and Lightning's own callback logic
+(when to update, the swap around validation, the copy at the end of ``fit``, what a checkpoint holds) runs
+unchanged. The checkpoint formats of :class:`~lightning_fsdp2.FSDP2Strategy` write the averaged and current weights
+in either format, and a resume at any world size restores both.
+"""
+
+from __future__ import annotations
+
+import itertools
+from typing import Any
+
+import torch
+from lightning.pytorch import LightningModule, Trainer
+from lightning.pytorch.callbacks import EMAWeightAveraging as _LightningEMA
+from lightning.pytorch.callbacks import WeightAveraging as _LightningWeightAveraging
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch import nn
+from torch.distributed.fsdp import FSDPModule
+from torch.optim.swa_utils import AveragedModel
+
+__all__ = ["EMAWeightAveraging", "WeightAveraging"]
+
+
+class _ShardedAveraging:
+    """What changes in Lightning's callbacks for a sharded model: how the averaged copy is made, that the model's
+    parameters are resharded before values are copied between the two, and how a checkpoint is read back."""
+
+    _average_model: AveragedModel | None
+    _kwargs: dict[str, Any]
+    _use_buffers: bool
+
+    def _check_device(self) -> None:
+        if getattr(self, "_device", None) is not None:
+            raise ValueError(
+                f"{type(self).__name__}(device={self._device!r}): the averaged copy is sharded like the model and"  # type: ignore[attr-defined]
+                " stays on its device. Leave `device` unset."
+            )
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Nothing yet: the model is built and sharded after this hook (see :meth:`on_fit_start`)."""
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        """Make the averaged copy of the sharded model: its tensors cloned, shard by shard."""
+        _reshard(pl_module)
+        self._average_model = _ShardedAveragedModel(pl_module, use_buffers=self._use_buffers, **self._kwargs)
+
+    def _swap_models(self, pl_module: LightningModule) -> None:
+        _reshard(pl_module)  # after a forward the root's parameters may be gathered; values live in the shards
+        super()._swap_models(pl_module)  # type: ignore[misc]
+
+    def _copy_average_to_current(self, pl_module: LightningModule) -> None:
+        _reshard(pl_module)
+        super()._copy_average_to_current(pl_module)  # type: ignore[misc]
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        """Restore both models. The strategy has already loaded ``state_dict`` (the averaged weights, as Lightning's
+        callback saves them) into the model: the averaged copy takes them from there, and the model its own weights
+        from ``current_model_state`` (either checkpoint format, each rank its slices)."""
+        from lightning_fsdp2.checkpoint.formats import has_entry, load_entry
+
+        if self._average_model is None:
+            rank_zero_warn(
+                f"{type(self).__name__}: a checkpoint was loaded outside `fit`; the averaging state is not restored."
+            )
+            return
+        _reshard(pl_module)
+        with torch.no_grad():
+            for averaged, current in zip(_tensors(self._average_model.module), _tensors(pl_module), strict=True):
+                averaged.copy_(current)
+        if has_entry(checkpoint, "current_model_state"):
+            load_entry(pl_module, checkpoint, "current_model_state")
+            state = checkpoint.get("averaging_state", {})
+            if "n_averaged" in state:
+                self._average_model.n_averaged.copy_(state["n_averaged"])
+        else:
+            rank_zero_warn(
+                "The checkpoint was not written with weight averaging: the averaged copy starts from its weights."
+            )
+
+
+class WeightAveraging(_ShardedAveraging, _LightningWeightAveraging):
+    """Lightning's ``WeightAveraging`` for a model sharded by ``FSDP2Strategy``: the same arguments (``device`` must
+    stay unset; ``avg_fn``/``multi_avg_fn`` and the rest go to torch's ``AveragedModel``) and the same
+    ``should_update`` to override."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._check_device()
+
+
+class EMAWeightAveraging(_ShardedAveraging, _LightningEMA):
+    """Lightning's ``EMAWeightAveraging`` (``decay``, ``update_every_n_steps``, ``update_starting_at_step``,
+    ``update_starting_at_epoch``) for a model sharded by ``FSDP2Strategy``; ``device`` must stay unset."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._check_device()
+
+
+class _ShardedAveragedModel(AveragedModel):
+    """torch's ``AveragedModel`` around a copy of the model's tensors only (no deep copy of the sharded module)."""
+
+    def __init__(self, model: nn.Module, use_buffers: bool = False, avg_fn: Any = None, multi_avg_fn: Any = None):
+        nn.Module.__init__(self)
+        if avg_fn is not None and multi_avg_fn is not None:
+            raise ValueError("Only one of avg_fn and multi_avg_fn should be provided.")
+        self.module = _mirror(model)
+        device = next(itertools.chain(model.parameters(), model.buffers())).device
+        self.register_buffer("n_averaged", torch.tensor(0, dtype=torch.long, device=device))
+        self.avg_fn, self.multi_avg_fn, self.use_buffers = avg_fn, multi_avg_fn, use_buffers
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        raise RuntimeError("The averaged copy holds tensors only; the model runs with them after the swap.")
+
+
+def _mirror(model: nn.Module) -> nn.Module:
+    """A plain module with ``model``'s structure and names holding clones of its tensors (``DTensor`` shards stay
+    ``DTensor`` shards), registered in ``model``'s order, so that ``parameters()`` and ``buffers()`` pair up."""
+    modules: dict[str, nn.Module] = {"": nn.Module()}
+    for name, module in model.named_modules():
+        if name:
+            parent, _, leaf = name.rpartition(".")
+            modules[parent].add_module(leaf, nn.Module())
+            modules[name] = modules[parent].get_submodule(leaf)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            owner, _, leaf = name.rpartition(".")
+            modules[owner].register_parameter(leaf, nn.Parameter(param.detach().clone(), requires_grad=False))
+        for name, buffer in model.named_buffers():
+            owner, _, leaf = name.rpartition(".")
+            persistent = leaf not in model.get_submodule(owner)._non_persistent_buffers_set
+            modules[owner].register_buffer(leaf, buffer.detach().clone(), persistent=persistent)
+    return modules[""]
+
+
+def _tensors(module: nn.Module) -> list[torch.Tensor]:
+    return [t.data for t in itertools.chain(module.parameters(), module.buffers())]
+
+
+def _reshard(module: nn.Module) -> None:
+    """Put every FSDP2 group in ``module`` back to its sharded parameters (a no-op for groups already sharded)."""
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
