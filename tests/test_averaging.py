@@ -24,22 +24,29 @@ def _trainer(world: int, **kwargs) -> dict:
 
 
 def _fit_sharded_ema(start: dict, epochs: int, save_dir: str | None = None, resume: str | None = None,
-                     fmt: str = "full") -> dict:
+                     fmt: str = "full", variant: str = "") -> dict:
     from lightning.pytorch.callbacks import ModelCheckpoint
 
     from lightning_fsdp2.averaging import EMAWeightAveraging
 
     world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else int(
         __import__("os").environ["WORLD_SIZE"])
-    module = LlamaModule(start_state=None if resume else start, batch_size=8 // world, **STEPS)
+    # The start state is loaded at on_fit_start, before a checkpoint is restored: a resumed run then gets the frozen
+    # base from it, as from load_pretrained, when the checkpoint holds only the trainable parameters.
+    module = LlamaModule(start_state=start, batch_size=8 // world, **STEPS, **_config(variant))
     callbacks = [EMAWeightAveraging(decay=0.5)]
     if save_dir:
         callbacks.append(ModelCheckpoint(dirpath=save_dir, filename="{epoch}", every_n_epochs=1, save_top_k=-1))
-    strategy = FSDP2Strategy(state_dict_type="full" if fmt == "full" else "sharded", async_save=fmt == "async")
+    strategy = FSDP2Strategy(state_dict_type="full" if fmt == "full" else "sharded", async_save=fmt == "async",
+                             save_trainable_only=variant == "trainable-only")
     trainer = L.Trainer(strategy=strategy, max_epochs=epochs, callbacks=callbacks,
                         **_trainer(world, enable_checkpointing=bool(save_dir)))
     trainer.fit(module, ckpt_path=resume)
     return {"state": full_state(module)}
+
+
+def _config(variant: str) -> dict:
+    return {"tie_word_embeddings": True} if variant == "tied" else {}
 
 
 def _fit_reference_ema(start: dict, epochs: int) -> dict:
@@ -67,16 +74,19 @@ def test_ema_of_the_sharded_model_equals_lightnings_ema_in_one_process() -> None
     assert worst > 1e-3, "averaging changed the result"
 
 
-@pytest.mark.parametrize("fmt", ["full", "sharded", "async"])
-def test_ema_state_resumes_from_either_format_at_another_world_size(fmt: str, tmp_path: Path) -> None:
+@pytest.mark.parametrize(("fmt", "variant"), [("full", ""), ("sharded", ""), ("async", ""),
+                                             ("sharded", "tied"), ("full", "tied"), ("full", "trainable-only"),
+                                             ("sharded", "trainable-only")])
+def test_ema_state_resumes_from_either_format_at_another_world_size(fmt: str, variant: str, tmp_path: Path) -> None:
     """Two epochs at world size 2, saved after each (the averaged weights as `state_dict`, the model's own as
     `current_model_state`, as Lightning's callback writes them); resumed from the first at world size 1, the run
-    ends as the uninterrupted one: both models and the update count came back."""
-    start = _start_state()
-    straight = run_distributed(_fit_sharded_ema, 2, start, 2, str(tmp_path), None, fmt)[0]["state"]
+    ends as the uninterrupted one: both models and the update count came back. Also with tied embeddings (both
+    names in both state dicts, as in the model's) and with `save_trainable_only` (only the adapters, in both)."""
+    start = _start_state(**_config(variant))
+    straight = run_distributed(_fit_sharded_ema, 2, start, 2, str(tmp_path), None, fmt, variant)[0]["state"]
     first = tmp_path / "epoch=0.ckpt"
     assert first.is_dir() == (fmt != "full")
-    resumed = run_distributed(_fit_sharded_ema, 1, start, 2, None, str(first), fmt)[0]["state"]
+    resumed = run_distributed(_fit_sharded_ema, 1, start, 2, None, str(first), fmt, variant)[0]["state"]
     _assert_same_weights(resumed, straight)
     # offline, either format reads as one dict with both state dicts (the converter's view)
     from lightning_fsdp2.convert import read_full_checkpoint
@@ -84,3 +94,19 @@ def test_ema_state_resumes_from_either_format_at_another_world_size(fmt: str, tm
     whole = read_full_checkpoint(first)
     assert whole["current_model_state"].keys() == whole["state_dict"].keys()
     assert int(whole["averaging_state"]["n_averaged"]) == 2
+    if variant == "tied":
+        tied = [k for k in whole["state_dict"] if k.endswith(("lm_head.weight", "embed_tokens.weight"))]
+        assert len(tied) == 2, tied  # both names of the tied weight, as the model's own state dict has them
+    if variant == "trainable-only":
+        assert all("lora_" in k for k in whole["state_dict"]), sorted(whole["state_dict"])[:3]
+
+
+def test_the_ema_callback_pickles_for_spawn() -> None:
+    """start_method="spawn" pickles the callbacks (Lightning's EMA holds a local closure of torch's and does not)."""
+    import pickle
+
+    from lightning_fsdp2.averaging import EMAWeightAveraging
+
+    callback = pickle.loads(pickle.dumps(EMAWeightAveraging(decay=0.9)))
+    averaged, current = torch.zeros(3), torch.ones(3)
+    assert torch.allclose(callback._kwargs["avg_fn"](averaged, current, torch.tensor(1)), torch.full((3,), 0.1))

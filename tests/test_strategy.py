@@ -400,6 +400,28 @@ def test_a_launch_that_disagrees_with_devices_is_refused_on_every_rank(torchelas
     assert "does not match the world size (1)" in alone, alone
 
 
+def _two_nodes_of_one(devices: int) -> str:
+    import os
+    from datetime import timedelta
+
+    os.environ["NODE_RANK"] = os.environ["RANK"]  # a launcher that started 2 nodes x 1 process
+    os.environ["LOCAL_RANK"] = "0"
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=FSDP2Strategy(timeout=timedelta(seconds=5)),
+                        max_steps=1, **quiet_trainer_kwargs())
+    try:
+        trainer.fit(LlamaModule())
+    except Exception as error:  # noqa: BLE001 - the test reads the message
+        return f"{type(error).__name__}: {error}"
+    return "trained"
+
+
+def test_a_launch_split_otherwise_than_devices_and_num_nodes_is_named() -> None:
+    """Two nodes of one process each, but `devices=2, num_nodes=1`: the total agrees, the split does not. The process
+    numbered out of range says so (the other one can only time out waiting for it)."""
+    first, second = run_distributed(_two_nodes_of_one, 2, 2)
+    assert "NODE_RANK=1, but `num_nodes=1`" in second, second
+
+
 # --------------------------------------------------------------------------- tensors built for real
 class PerRankValues(L.LightningModule):
     """Built for real with a different seed on each rank: in `__init__`, or in configure_model with meta_init=False."""

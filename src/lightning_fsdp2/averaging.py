@@ -97,11 +97,25 @@ class WeightAveraging(_ShardedAveraging, _LightningWeightAveraging):
 
 class EMAWeightAveraging(_ShardedAveraging, _LightningEMA):
     """Lightning's ``EMAWeightAveraging`` (``decay``, ``update_every_n_steps``, ``update_starting_at_step``,
-    ``update_starting_at_epoch``) for a model sharded by ``FSDP2Strategy``; ``device`` must stay unset."""
+    ``update_starting_at_epoch``) for a model sharded by ``FSDP2Strategy``; ``device`` must stay unset. Unlike
+    Lightning's, it can be pickled (``start_method="spawn"``)."""
 
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        super().__init__(*args, **kwargs)
+    def __init__(self, *args: Any, decay: float = 0.999, **kwargs: Any) -> None:
+        super().__init__(*args, decay=decay, **kwargs)
         self._check_device()
+        self._kwargs["avg_fn"] = _EMA(decay)  # torch's, behind a picklable object (torch's is a local closure)
+
+
+class _EMA:
+    """torch's ``get_ema_avg_fn(decay)``, made when called, so that the callback pickles."""
+
+    def __init__(self, decay: float) -> None:
+        self.decay = decay
+
+    def __call__(self, averaged: torch.Tensor, current: torch.Tensor, num_averaged: Any) -> torch.Tensor:
+        from torch.optim.swa_utils import get_ema_avg_fn
+
+        return get_ema_avg_fn(self.decay)(averaged, current, num_averaged)
 
 
 class _ShardedAveragedModel(AveragedModel):
@@ -124,15 +138,19 @@ def _mirror(model: nn.Module) -> nn.Module:
     """A plain module with ``model``'s structure and names holding clones of its tensors (``DTensor`` shards stay
     ``DTensor`` shards), registered in ``model``'s order, so that ``parameters()`` and ``buffers()`` pair up."""
     modules: dict[str, nn.Module] = {"": nn.Module()}
-    for name, module in model.named_modules():
+    for name, module in model.named_modules(remove_duplicate=False):
         if name:
             parent, _, leaf = name.rpartition(".")
             modules[parent].add_module(leaf, nn.Module())
             modules[name] = modules[parent].get_submodule(leaf)
     with torch.no_grad():
-        for name, param in model.named_parameters():
+        clones: dict[int, nn.Parameter] = {}
+        for name, param in model.named_parameters(remove_duplicate=False):
+            # A tied weight is one clone under each of its names, as it is one parameter under each in the model.
+            if id(param) not in clones:
+                clones[id(param)] = nn.Parameter(param.detach().clone(), requires_grad=False)
             owner, _, leaf = name.rpartition(".")
-            modules[owner].register_parameter(leaf, nn.Parameter(param.detach().clone(), requires_grad=False))
+            modules[owner].register_parameter(leaf, clones[id(param)])
         for name, buffer in model.named_buffers():
             owner, _, leaf = name.rpartition(".")
             persistent = leaf not in model.get_submodule(owner)._non_persistent_buffers_set

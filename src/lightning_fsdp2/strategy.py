@@ -49,6 +49,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.optim import Optimizer
 
 from lightning_fsdp2 import checkpoint as ckpt
+from lightning_fsdp2.checkpoint.stream import sharded_entries
 from lightning_fsdp2.init import (
     check_initialized,
     check_peft_supported,
@@ -100,7 +101,8 @@ class FSDP2Strategy(ParallelStrategy):
         timeout: timeout of collective operations.
         start_method: how Lightning starts the processes: ``"popen"`` re-runs the script (default, as ``DDPStrategy``),
             or ``"spawn"``/``"fork"``/``"forkserver"`` through ``torch.multiprocessing``. With the latter the trained
-            weights stay in the worker processes (they are sharded); save a checkpoint to keep them.
+            weights are gathered to rank 0 at the end of ``fit`` and loaded into the main process's module, as
+            Lightning does for DDP (the main process then holds the whole model).
         state_dict_type: how checkpoints are saved. ``"full"``: one file written by rank 0, the same a single-device
             run writes (loadable without this library). ``"sharded"``: a directory in which every rank writes its
             own shards (``torch.distributed.checkpoint``), much faster and lighter for large models. Both kinds
@@ -309,6 +311,21 @@ class FSDP2Strategy(ParallelStrategy):
                 f"This process has LOCAL_RANK={self.local_rank}, but `devices={self.num_processes}` in Lightning: set"
                 " `devices` to the number of processes the launcher starts per node."
             )
+        # Right total, wrong split (2 nodes x 1 process launched, `devices=2, num_nodes=1`): only the processes
+        # whose own numbers are out of range can tell; the others then wait for them until `timeout`.
+        if not 0 <= self.node_rank < self.num_nodes:
+            raise ValueError(
+                f"This process has NODE_RANK={self.node_rank}, but `num_nodes={self.num_nodes}` in Lightning: set"
+                " `num_nodes` to the number of nodes and `devices` to the processes per node the launcher starts."
+            )
+        rank = os.environ.get("RANK")
+        if rank is not None and int(rank) != self.node_rank * self.num_processes + self.local_rank:
+            raise ValueError(
+                f"This process has RANK={rank}, but `devices={self.num_processes}` and `num_nodes={self.num_nodes}`"
+                f" in Lightning make it rank {self.node_rank * self.num_processes + self.local_rank} (NODE_RANK"
+                f" {self.node_rank} x {self.num_processes} + LOCAL_RANK {self.local_rank}): set `devices` to the"
+                " processes per node and `num_nodes` to the nodes the launcher starts."
+            )
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment and ``rank_zero_only`` this process's global rank."""
@@ -505,6 +522,11 @@ class FSDP2Strategy(ParallelStrategy):
         does): the shards come from all of them."""
         assert self.model is not None
         self.wait_for_checkpoint()  # one save at a time: the previous one is complete (and in place) first
+        if self._save_trainable_only:  # also in what callbacks put there (weight averaging's two state dicts)
+            frozen = {n for n, p in self.lightning_module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            for key in ("state_dict", *sharded_entries(checkpoint)):
+                if isinstance(checkpoint.get(key), Mapping):
+                    checkpoint[key] = {k: v for k, v in checkpoint[key].items() if k not in frozen}
         ckpt.save(
             checkpoint,
             self.broadcast(str(filepath)),  # every rank writes to rank 0's path

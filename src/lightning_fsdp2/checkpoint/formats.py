@@ -212,12 +212,16 @@ def has_entry(checkpoint: Mapping[str, Any], key: str) -> bool:
 
 def load_entry(module: nn.Module, checkpoint: Mapping[str, Any], key: str) -> None:
     """Load the state dict saved under ``key`` (a full one, or shards in a sharded directory) into ``module``'s
-    (sharded) tensors, each rank its slices, at any world size."""
+    (sharded) tensors, each rank its slices, at any world size. A trainable-only checkpoint may leave out the
+    frozen parameters, as for the model's own state."""
+    may_be_missing = None
+    if checkpoint.get(FORMAT_KEY, {}).get("trainable_only"):
+        may_be_missing = {n for n, p in module.named_parameters() if not p.requires_grad}.__contains__
     if SHARDED_PATH_KEY in checkpoint:
-        load_sharded_model(module, Path(checkpoint[SHARDED_PATH_KEY]), key=key)
+        load_sharded_model(module, Path(checkpoint[SHARDED_PATH_KEY]), key=key, may_be_missing=may_be_missing)
     else:
-        load_full_state_dict(module, checkpoint[key], origin=f"{checkpoint.get(LOADED_FROM_KEY, 'the checkpoint')}"
-                             f" ({key!r})")
+        origin = f"{checkpoint.get(LOADED_FROM_KEY, 'the checkpoint')} ({key!r})"
+        load_full_state_dict(module, checkpoint[key], may_be_missing=may_be_missing, origin=origin)
 
 
 def _swap(tmp: Path, path: Path) -> None:
