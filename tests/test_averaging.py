@@ -110,3 +110,51 @@ def test_the_ema_callback_pickles_for_spawn() -> None:
     callback = pickle.loads(pickle.dumps(EMAWeightAveraging(decay=0.9)))
     averaged, current = torch.zeros(3), torch.ones(3)
     assert torch.allclose(callback._kwargs["avg_fn"](averaged, current, torch.tensor(1)), torch.full((3,), 0.1))
+
+
+# --------------------------------------------------------------------------- stochastic weight averaging
+def _fit_sharded_swa(start: dict, epochs: int, save_dir: str | None = None, resume: str | None = None,
+                     fmt: str = "full") -> dict:
+    from lightning.pytorch.callbacks import ModelCheckpoint
+
+    from lightning_fsdp2.averaging import StochasticWeightAveraging
+
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else int(
+        __import__("os").environ["WORLD_SIZE"])
+    module = LlamaModule(start_state=start, batch_size=8 // world, **STEPS)
+    callbacks = [StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1, annealing_epochs=2)]
+    if save_dir:
+        callbacks.append(ModelCheckpoint(dirpath=save_dir, filename="{epoch}", every_n_epochs=1, save_top_k=-1))
+    strategy = FSDP2Strategy(state_dict_type=fmt)
+    trainer = L.Trainer(strategy=strategy, max_epochs=epochs, callbacks=callbacks,
+                        **_trainer(world, enable_checkpointing=bool(save_dir)))
+    trainer.fit(module, ckpt_path=resume)
+    return {"state": full_state(module), "lr": trainer.optimizers[0].param_groups[0]["lr"]}
+
+
+def test_swa_of_the_sharded_model_equals_lightnings_swa_in_one_process() -> None:
+    """Three epochs, averaging from the second with SWA's annealed learning rate, the average copied into the model
+    at the end: the weights of Lightning's own StochasticWeightAveraging in one process (<= 1e-4)."""
+    from lightning.pytorch.callbacks import StochasticWeightAveraging
+
+    start = _start_state()
+    module = LlamaModule(start_state=start, batch_size=8, **STEPS)
+    module.configure_model()  # Lightning's SWA copies the model in `setup`, before the trainer calls this hook
+    swa = StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1, annealing_epochs=2)
+    trainer = L.Trainer(max_epochs=3, callbacks=[swa], **_trainer(1))
+    trainer.fit(module)
+    reference = {k: v.detach().clone() for k, v in module.state_dict().items()}
+    for rank in run_distributed(_fit_sharded_swa, 2, start, 3):
+        _assert_same_weights(rank["state"], reference)
+        assert rank["lr"] == pytest.approx(trainer.optimizers[0].param_groups[0]["lr"])
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_swa_state_resumes_mid_averaging_at_another_world_size(fmt: str, tmp_path: Path) -> None:
+    """Saved after the second epoch at world size 2 (averaging under way: the running average, the update count and
+    the SWA scheduler's state), resumed at world size 1: the run ends as the uninterrupted one."""
+    start = _start_state()
+    straight = run_distributed(_fit_sharded_swa, 2, start, 3, str(tmp_path), None, fmt)[0]
+    resumed = run_distributed(_fit_sharded_swa, 1, start, 3, None, str(tmp_path / "epoch=1.ckpt"), fmt)[0]
+    _assert_same_weights(resumed["state"], straight["state"])
+    assert resumed["lr"] == pytest.approx(straight["lr"])

@@ -327,8 +327,8 @@ def _error_of(case: str) -> str:
         ("offload", r"ValueError: FSDP2Strategy\(cpu_offload=True\) .* already on the CPU"),
         ("reshard", r"ValueError: FSDP2Strategy\(reshard_after_forward=2\) .* world size 2.* divisor of 2 other than 1"),
         ("ema", r"ValueError: EMAWeightAveraging does not work with FSDP2Strategy: it deep-copies the whole model.*"
-                r"lightning_fsdp2.averaging.EMAWeightAveraging"),
-        ("swa", r"ValueError: StochasticWeightAveraging does not work with FSDP2Strategy.*has no sharded version yet"),
+                r"lightning_fsdp2.averaging"),
+        ("swa", r"ValueError: StochasticWeightAveraging does not work with FSDP2Strategy.*lightning_fsdp2.averaging"),
     ],
 )
 def test_clear_errors(case: str, expected: str) -> None:

@@ -1,4 +1,4 @@
-"""Weight averaging of a sharded model: Lightning's ``WeightAveraging`` and ``EMAWeightAveraging`` callbacks, with
+"""Weight averaging of a sharded model: Lightning's ``WeightAveraging``, ``EMAWeightAveraging`` and SWA callbacks, with
 the averaged copy sharded like the model.
 
 Lightning's callbacks deep-copy the whole ``LightningModule`` into a ``torch.optim.swa_utils.AveragedModel``. FSDP2
@@ -19,13 +19,14 @@ from typing import Any
 import torch
 from lightning.pytorch import LightningModule, Trainer
 from lightning.pytorch.callbacks import EMAWeightAveraging as _LightningEMA
+from lightning.pytorch.callbacks import StochasticWeightAveraging as _LightningSWA
 from lightning.pytorch.callbacks import WeightAveraging as _LightningWeightAveraging
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.optim.swa_utils import AveragedModel
 
-__all__ = ["EMAWeightAveraging", "WeightAveraging"]
+__all__ = ["EMAWeightAveraging", "StochasticWeightAveraging", "WeightAveraging"]
 
 
 class _ShardedAveraging:
@@ -116,6 +117,67 @@ class _EMA:
         from torch.optim.swa_utils import get_ema_avg_fn
 
         return get_ema_avg_fn(self.decay)(averaged, current, num_averaged)
+
+
+class StochasticWeightAveraging(_LightningSWA):
+    """Lightning's ``StochasticWeightAveraging`` (``swa_lrs``, ``swa_epoch_start``, ``annealing_epochs``,
+    ``annealing_strategy``, ``avg_fn``) for a model sharded by ``FSDP2Strategy``: the running average is a clone of each
+    rank's shards (``device`` must stay unset), and it is saved with the checkpoint as a state dict of its own
+    (``swa_average_model_state``, sharded or gathered like the model) rather than inside the callback's state.
+
+    Lightning's callback restores its learning-rate scheduler on the assumption that the checkpoint is loaded before
+    the model is set up, which is not so with FSDP2: here the schedulers are cleared when the callback's state is
+    loaded, so that the SWA scheduler's saved state is the one restored.
+    """
+
+    def __init__(self, swa_lrs: float | list[float], *args: Any, device: Any = None, **kwargs: Any) -> None:
+        if device is not None:
+            raise ValueError(
+                f"StochasticWeightAveraging(device={device!r}): the averaged copy is sharded like the model and stays on"
+                " its device. Leave `device` unset."
+            )
+        super().__init__(swa_lrs, *args, device=None, **kwargs)
+        self._trainer: Trainer | None = None
+
+    def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
+        """Nothing yet: the model is built and sharded after this hook (see :meth:`on_fit_start`)."""
+
+    def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
+        _reshard(pl_module)
+        self._average_model = _mirror(pl_module)  # type: ignore[assignment]
+        self._trainer = trainer
+        super().on_fit_start(trainer, pl_module)
+
+    def update_parameters(self, average_model: Any, model: LightningModule, n_averaged: Any, avg_fn: Any) -> None:  # type: ignore[override]
+        _reshard(model)
+        _LightningSWA.update_parameters(average_model, model, n_averaged, avg_fn)
+
+    def transfer_weights(self, src_pl_module: Any, dst_pl_module: Any) -> None:  # type: ignore[override]
+        _reshard(dst_pl_module)
+        _LightningSWA.transfer_weights(src_pl_module, dst_pl_module)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = super().state_dict()
+        state["average_model_state"] = None  # in the checkpoint beside the model's (on_save_checkpoint)
+        return state
+
+    def _load_average_model_state(self, model_state: Any) -> None:
+        """Loaded from ``swa_average_model_state`` by :meth:`on_load_checkpoint`, not from the callback's state."""
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        super().load_state_dict(state_dict)
+        if self._scheduler_state is not None and self._trainer is not None:
+            self._clear_schedulers(self._trainer)  # before the trainer restores the schedulers' state (see above)
+
+    def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        if self._average_model is not None:
+            checkpoint["swa_average_model_state"] = self._average_model.state_dict()
+
+    def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
+        from lightning_fsdp2.checkpoint.formats import has_entry, load_entry
+
+        if self._average_model is not None and has_entry(checkpoint, "swa_average_model_state"):
+            load_entry(self._average_model, checkpoint, "swa_average_model_state")
 
 
 class _ShardedAveragedModel(AveragedModel):

@@ -274,19 +274,16 @@ class FSDP2Strategy(ParallelStrategy):
         from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        from lightning_fsdp2.averaging import _ShardedAveraging
+        from lightning_fsdp2 import averaging
 
+        ours = (averaging.WeightAveraging, averaging.EMAWeightAveraging, averaging.StochasticWeightAveraging)
         refused = [type(c).__name__ for c in getattr(trainer, "callbacks", []) or []
-                   if isinstance(c, (WeightAveraging, StochasticWeightAveraging))
-                   and not isinstance(c, _ShardedAveraging)]
+                   if isinstance(c, (WeightAveraging, StochasticWeightAveraging)) and not isinstance(c, ours)]
         if refused:
-            ours = "lightning_fsdp2.averaging.EMAWeightAveraging / WeightAveraging (same arguments)"
             raise ValueError(
                 f"{', '.join(refused)} does not work with FSDP2Strategy: it deep-copies the whole model, which a"
-                f" sharded model cannot be (and every rank would hold a whole copy). Use {ours}, which keeps the"
-                " averaged copy sharded like the model"
-                + ("; stochastic weight averaging has no sharded version yet." if "StochasticWeightAveraging" in refused
-                   else ".")
+                " sharded model cannot be (and every rank would hold a whole copy). Use the class of that name in"
+                " lightning_fsdp2.averaging (same arguments), which keeps the averaged copy sharded like the model."
             )
 
     def _validate_external_launch(self) -> None:
