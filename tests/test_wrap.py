@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import warnings
+
 import lightning as L
 import pytest
 import torch
@@ -56,8 +58,10 @@ def _shard(policy_name: str, tie: bool) -> dict:
         holder = nn.Module()  # stands for the LightningModule: the network is its child `model`
         holder.model = model
         names_before = [n for n, _ in holder.named_parameters()]
-        policy = {"default": None, "linear+embedding": {nn.Linear, nn.Embedding}}[policy_name]
-        groups = shard_model(holder, mesh, policy)
+        policy = {"default": None, "linear+embedding": {nn.Linear, nn.Embedding}, "nothing": {nn.Conv2d}}[policy_name]
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            groups = shard_model(holder, mesh, policy)
         initialize_module(holder, materialize_module(holder, torch.device("cpu")))
         inner = model.base_model.model
         ids = torch.randint(0, 128, (2, 8))
@@ -67,6 +71,7 @@ def _shard(policy_name: str, tie: bool) -> dict:
             "names_same": [n for n, _ in holder.named_parameters()] == names_before,
             "tied": inner.lm_head.weight is inner.model.embed_tokens.weight,
             "finite": bool(torch.isfinite(logits).all()),
+            "warnings": [str(w.message) for w in caught if "selected no module" in str(w.message)],
         }
     finally:
         dist.destroy_process_group()
@@ -79,6 +84,15 @@ def test_default_policy_shards_decoder_layers_post_order_then_root() -> None:
     # sharded module that holds the parameters) comes last.
     assert result["groups"] == [f"{prefix}.1", f"{prefix}.0", "model"]
     assert result["names_same"] and result["finite"]
+
+
+def test_a_policy_that_selects_nothing_is_said_once() -> None:
+    """Only the roots sharded means the whole model gathered at once: rank 0 warns, naming the fix."""
+    first, second = run_distributed(_shard, 2, "nothing", False)
+    assert first["groups"] == ["model"]
+    assert len(first["warnings"]) == 1 and "auto_wrap_policy={BlockClass}" in first["warnings"][0]
+    assert second["warnings"] == []
+    assert run_distributed(_shard, 2, "default", False)[0]["warnings"] == []
 
 
 def test_adapters_stay_with_their_layer_and_tied_weights_with_the_root() -> None:

@@ -1,6 +1,6 @@
 """Meta-device construction, and giving each rank's shard real storage and values afterwards.
 
-Three words, kept apart (see ``shared/STYLE.md``): *materialize* = allocate real storage for meta tensors;
+Three words, kept apart: *materialize* = allocate real storage for meta tensors;
 *initialize* = give them values by the model's own rules; *load* = values from a checkpoint (``checkpoint/``).
 
 Why meta at all: a model built eagerly occupies its full size on every rank before sharding can cut it down. Built on

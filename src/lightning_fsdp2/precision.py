@@ -23,6 +23,7 @@ from lightning_utilities import apply_to_collection
 from torch import Tensor
 from torch.distributed.fsdp import MixedPrecisionPolicy
 from torch.distributed.tensor import DTensor
+from torch.distributed.tensor.experimental import implicit_replication
 from torch.nn import Module
 from torch.optim import Optimizer
 
@@ -185,8 +186,9 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
     total_norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
     if isinstance(total_norm, DTensor):
         total_norm = total_norm.full_tensor()
-    # A Python scalar multiplies plain and sharded gradients alike (a plain 0-dim tensor would not mix with DTensors).
-    clip_coef = min(max_norm / (float(total_norm) + 1e-6), 1.0)
-    if clip_coef < 1.0:
+    # The factor stays a tensor on the device (no host sync per step, as torch's own clipping). Multiplying sharded
+    # gradients by a plain 0-dim tensor is allowed as an implicitly replicated value.
+    clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).to(grads[0].dtype)
+    with implicit_replication():
         torch._foreach_mul_(grads, clip_coef)
     return total_norm

@@ -10,6 +10,7 @@ norm, head).
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from collections.abc import Callable, Generator
 from contextlib import contextmanager
 from typing import Any, Union
@@ -161,6 +162,12 @@ def shard_model(
             continue
         fully_shard(module, **kwargs)
         groups.append(name)
+    if not groups and not _is_rank(1):
+        warnings.warn(
+            "The wrap policy selected no module with parameters of its own: only the roots are sharded, so each is"
+            " gathered whole for its forward (no memory saved over DDP while it runs). Name the repeated blocks in"
+            " FSDP2Strategy(auto_wrap_policy={BlockClass}) or a callable."
+        )
     # For a root, `None` lets FSDP2 keep its parameters gathered from forward to backward (which follows at once,
     # so resharding would only buy an extra all-gather); an explicit `False` or int from the user is passed on.
     if reshard_after_forward is True:
@@ -177,6 +184,13 @@ def shard_model(
         if callable(getattr(root, "generate", None)):
             register_fsdp_forward_method(root, "generate")
     return groups
+
+
+def _is_rank(n: int) -> bool:
+    """Whether this process's rank is ``n`` or more (warn once, from rank 0)."""
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized() and dist.get_rank() >= n
 
 
 def root_names(model: nn.Module) -> list[str]:
