@@ -25,7 +25,7 @@ from lightning_fsdp2.precision import clip_grad_norm_
 )
 def test_modes(precision: str, stored: torch.dtype, param_dtype, reduce_dtype) -> None:
     plugin = FSDP2Precision(precision)  # type: ignore[arg-type]
-    assert plugin.param_dtype == stored
+    assert plugin.storage_dtype == stored
     policy = plugin.mixed_precision_policy
     assert (policy.param_dtype, policy.reduce_dtype) == (param_dtype, reduce_dtype)
     with torch.device("meta"):

@@ -81,8 +81,9 @@ class FSDP2Precision(Precision):
         return self.precision in ("bf16-true", "16-true")
 
     @property
-    def param_dtype(self) -> torch.dtype:
-        """The dtype the sharded parameters are stored in (the optimizer's dtype)."""
+    def storage_dtype(self) -> torch.dtype:
+        """The dtype the sharded parameters are stored in (the optimizer's dtype). Not FSDP2's
+        ``MixedPrecisionPolicy.param_dtype``, which is the dtype they are gathered and computed in."""
         return self._low_dtype if self.is_true_precision and self._low_dtype is not None else torch.float32
 
     @property
