@@ -36,7 +36,6 @@ from lightning_fsdp2.checkpoint.files import (
     temporary_path,
     write_files_into,
 )
-from lightning_fsdp2.checkpoint.formats import SHARDED_PATH_KEY
 from lightning_fsdp2.checkpoint.plan import canonical_name, is_adapter_key
 
 __all__ = ["read_full_checkpoint", "sharded_to_full", "to_hf_safetensors", "main"]
@@ -55,7 +54,6 @@ def read_full_checkpoint(src: str | os.PathLike, weights_only: bool = True) -> d
     from lightning_fsdp2.checkpoint import safe_dcp
 
     checkpoint = read_sharded_meta(src, weights_only=weights_only)
-    checkpoint.pop(SHARDED_PATH_KEY, None)
     checkpoint.pop("optimizer_states", None)  # placeholders; the states themselves follow
     tensors: dict[str, Any] = {}
     # The empty-state-dict planner loads everything the checkpoint holds, whole, into this one process. It is what

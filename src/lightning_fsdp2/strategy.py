@@ -601,6 +601,16 @@ class _ShardedMultiProcessingLauncher(_MultiProcessingLauncher):
     not fit, a warning says so, and where the weights are: the run's checkpoints.
     """
 
+    def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
+        super()._wrapping_function(*args, **kwargs)
+        # Shut the process groups down, together, before the workers exit: left to the interpreter's exit, gloo's
+        # threads were sometimes destroyed while running ("terminate called without an active exception", the worker
+        # killed by SIGABRT and `fit` failing after it had finished). Only after a normal return: after an error a
+        # rank may never reach the barrier.
+        if torch.distributed.is_available() and torch.distributed.is_initialized():
+            torch.distributed.barrier()
+            torch.distributed.destroy_process_group()
+
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
         weights_path = None
         if trainer.state.fn == TrainerFn.FITTING:

@@ -44,8 +44,24 @@ from lightning_fsdp2.checkpoint.stream import save_streamed, sharded_entries
 
 # Added to a checkpoint dict when it is read (never saved): the file it came from, and for a sharded checkpoint the
 # directory its tensors are still in.
-LOADED_FROM_KEY = "_lightning_fsdp2_loaded_from"
-SHARDED_PATH_KEY = "_lightning_fsdp2_sharded_path"
+
+
+class LoadedCheckpoint(dict):
+    """A checkpoint as :func:`load` returns it: the dict Lightning restores from, and where it was read from
+    (``path``; ``sharded``: its tensors are still in that directory, read into the shards by :func:`load_model`,
+    :func:`load_optimizers` and :func:`load_entry`). The origin travels with the dict, not inside it."""
+
+    def __init__(self, checkpoint: Mapping[str, Any], path: str, sharded: bool) -> None:
+        super().__init__(checkpoint)
+        self.path, self.sharded = path, sharded
+
+
+def _sharded_dir(checkpoint: Mapping[str, Any]) -> Path | None:
+    return Path(checkpoint.path) if isinstance(checkpoint, LoadedCheckpoint) and checkpoint.sharded else None
+
+
+def _origin(checkpoint: Mapping[str, Any]) -> str:
+    return checkpoint.path if isinstance(checkpoint, LoadedCheckpoint) else "the checkpoint"
 
 
 # =============================================================================================== what is saved
@@ -205,7 +221,7 @@ def save_sharded(checkpoint: Mapping[str, Any], path: Path, *, background: Backg
 
 def has_entry(checkpoint: Mapping[str, Any], key: str) -> bool:
     """Whether ``checkpoint`` (as :func:`load` returns it) holds the state dict ``key``, in either format."""
-    if SHARDED_PATH_KEY in checkpoint:
+    if _sharded_dir(checkpoint) is not None:
         return key in checkpoint.get(FORMAT_KEY, {}).get("entries", [])
     return key in checkpoint
 
@@ -217,11 +233,12 @@ def load_entry(module: nn.Module, checkpoint: Mapping[str, Any], key: str) -> No
     may_be_missing = None
     if checkpoint.get(FORMAT_KEY, {}).get("trainable_only"):
         may_be_missing = {n for n, p in module.named_parameters() if not p.requires_grad}.__contains__
-    if SHARDED_PATH_KEY in checkpoint:
-        load_sharded_model(module, Path(checkpoint[SHARDED_PATH_KEY]), key=key, may_be_missing=may_be_missing)
+    directory = _sharded_dir(checkpoint)
+    if directory is not None:
+        load_sharded_model(module, directory, key=key, may_be_missing=may_be_missing)
     else:
-        origin = f"{checkpoint.get(LOADED_FROM_KEY, 'the checkpoint')} ({key!r})"
-        load_full_state_dict(module, checkpoint[key], may_be_missing=may_be_missing, origin=origin)
+        load_full_state_dict(module, checkpoint[key], may_be_missing=may_be_missing,
+                             origin=f"{_origin(checkpoint)} ({key!r})")
 
 
 def _swap(tmp: Path, path: Path) -> None:
@@ -412,7 +429,7 @@ def _rank0() -> bool:
 
 
 # =============================================================================================== resuming
-def load(path: str, *, weights_only: bool | None, checkpoint_io: Any) -> dict[str, Any]:
+def load(path: str, *, weights_only: bool | None, checkpoint_io: Any) -> LoadedCheckpoint:
     """Read a checkpoint of either format; tensors stay on disk (``mmap``) until loaded into the shards.
 
     ``weights_only`` defaults to ``True``: nothing but tensors and plain containers is unpickled. A sharded
@@ -423,13 +440,10 @@ def load(path: str, *, weights_only: bool | None, checkpoint_io: Any) -> dict[st
 
     weights_only = True if weights_only is None else weights_only
     if not is_local(path) or type(checkpoint_io) is not TorchCheckpointIO:
-        checkpoint = checkpoint_io.load_checkpoint(path, weights_only=weights_only)
-    elif Path(path).is_dir():
-        checkpoint = read_sharded_meta(Path(path), weights_only=weights_only)
-    else:
-        checkpoint = load_torch_file(path, weights_only=weights_only)
-    checkpoint[LOADED_FROM_KEY] = str(path)
-    return checkpoint
+        return LoadedCheckpoint(checkpoint_io.load_checkpoint(path, weights_only=weights_only), str(path), False)
+    if Path(path).is_dir():
+        return LoadedCheckpoint(read_sharded_meta(Path(path), weights_only=weights_only), str(path), True)
+    return LoadedCheckpoint(load_torch_file(path, weights_only=weights_only), str(path), False)
 
 
 def read_sharded_meta(path: Path, weights_only: bool = True) -> dict[str, Any]:
@@ -448,7 +462,6 @@ def read_sharded_meta(path: Path, weights_only: bool = True) -> dict[str, Any]:
     saved = {k.split(".", 1)[0] for k in metadata.state_dict_metadata if k.startswith("optimizer_")}
     if saved:
         checkpoint["optimizer_states"] = sorted(saved, key=lambda k: int(k.split("_")[1]))
-    checkpoint[SHARDED_PATH_KEY] = str(path)
     return checkpoint
 
 
@@ -464,11 +477,12 @@ def load_model(module: nn.Module, checkpoint: Mapping[str, Any], *, strict: bool
                 "This checkpoint holds only trainable parameters; the frozen ones keep the values they have now, and"
                 " no load_pretrained call gave them any. Call load_pretrained(...) in configure_model."
             )
-    if SHARDED_PATH_KEY in checkpoint:
-        load_sharded_model(module, Path(checkpoint[SHARDED_PATH_KEY]), strict=strict, may_be_missing=may_be_missing)
+    directory = _sharded_dir(checkpoint)
+    if directory is not None:
+        load_sharded_model(module, directory, strict=strict, may_be_missing=may_be_missing)
     else:
-        origin = checkpoint.get(LOADED_FROM_KEY, "the checkpoint")
-        load_full_state_dict(module, checkpoint["state_dict"], strict=strict, may_be_missing=may_be_missing, origin=origin)
+        load_full_state_dict(module, checkpoint["state_dict"], strict=strict, may_be_missing=may_be_missing,
+                             origin=_origin(checkpoint))
 
 
 def load_optimizers(module: nn.Module, optimizers: Sequence[Optimizer], checkpoint: Mapping[str, Any]) -> None:
@@ -481,8 +495,9 @@ def load_optimizers(module: nn.Module, optimizers: Sequence[Optimizer], checkpoi
         )
     for i, (optimizer, state) in enumerate(zip(optimizers, states)):
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
-        if SHARDED_PATH_KEY in checkpoint:
-            load_sharded_optimizer(module, optimizer, Path(checkpoint[SHARDED_PATH_KEY]), i)
+        directory = _sharded_dir(checkpoint)
+        if directory is not None:
+            load_sharded_optimizer(module, optimizer, directory, i)
         else:
             load_full_optimizer(module, optimizer, state)
 
