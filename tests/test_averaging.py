@@ -158,3 +158,13 @@ def test_swa_state_resumes_mid_averaging_at_another_world_size(fmt: str, tmp_pat
     resumed = run_distributed(_fit_sharded_swa, 1, start, 3, None, str(tmp_path / "epoch=1.ckpt"), fmt)[0]
     _assert_same_weights(resumed["state"], straight["state"])
     assert resumed["lr"] == pytest.approx(straight["lr"])
+
+
+def test_an_averaged_copy_on_another_device_is_refused() -> None:
+    """The copy is made of the shards and stays with them: `device` is refused by name, for each callback."""
+    from lightning_fsdp2.averaging import EMAWeightAveraging, StochasticWeightAveraging, WeightAveraging
+
+    for make in (lambda: EMAWeightAveraging(device="cpu"), lambda: WeightAveraging(device="cpu"),
+                 lambda: StochasticWeightAveraging(swa_lrs=1e-2, device="cpu")):
+        with pytest.raises(ValueError, match=r"\(device=.*cpu.*\): the averaged copy is sharded .* Leave `device` unset"):
+            make()

@@ -37,13 +37,6 @@ class _ShardedAveraging:
     _kwargs: dict[str, Any]
     _use_buffers: bool
 
-    def _check_device(self) -> None:
-        if getattr(self, "_device", None) is not None:
-            raise ValueError(
-                f"{type(self).__name__}(device={self._device!r}): the averaged copy is sharded like the model and"  # type: ignore[attr-defined]
-                " stays on its device. Leave `device` unset."
-            )
-
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Nothing yet: the model is built and sharded after this hook (see :meth:`on_fit_start`)."""
 
@@ -93,7 +86,7 @@ class WeightAveraging(_ShardedAveraging, _LightningWeightAveraging):
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         super().__init__(*args, **kwargs)
-        self._check_device()
+        _check_device(self, self._device)
 
 
 class EMAWeightAveraging(_ShardedAveraging, _LightningEMA):
@@ -103,7 +96,7 @@ class EMAWeightAveraging(_ShardedAveraging, _LightningEMA):
 
     def __init__(self, *args: Any, decay: float = 0.999, **kwargs: Any) -> None:
         super().__init__(*args, decay=decay, **kwargs)
-        self._check_device()
+        _check_device(self, self._device)
         self._kwargs["avg_fn"] = _EMA(decay)  # torch's, behind a picklable object (torch's is a local closure)
 
 
@@ -131,11 +124,7 @@ class StochasticWeightAveraging(_LightningSWA):
     """
 
     def __init__(self, swa_lrs: float | list[float], *args: Any, device: Any = None, **kwargs: Any) -> None:
-        if device is not None:
-            raise ValueError(
-                f"StochasticWeightAveraging(device={device!r}): the averaged copy is sharded like the model and stays on"
-                " its device. Leave `device` unset."
-            )
+        _check_device(self, device)
         super().__init__(swa_lrs, *args, device=None, **kwargs)
         self._trainer: Trainer | None = None
 
@@ -148,7 +137,9 @@ class StochasticWeightAveraging(_LightningSWA):
         self._trainer = trainer
         super().on_fit_start(trainer, pl_module)
 
-    def update_parameters(self, average_model: Any, model: LightningModule, n_averaged: Any, avg_fn: Any) -> None:  # type: ignore[override]
+    def update_parameters(  # type: ignore[override]
+        self, average_model: Any, model: LightningModule, n_averaged: Any, avg_fn: Any
+    ) -> None:
         _reshard(model)
         _LightningSWA.update_parameters(average_model, model, n_averaged, avg_fn)
 
@@ -194,6 +185,14 @@ class _ShardedAveragedModel(AveragedModel):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         raise RuntimeError("The averaged copy holds tensors only; the model runs with them after the swap.")
+
+
+def _check_device(callback: Any, device: Any) -> None:
+    if device is not None:
+        raise ValueError(
+            f"{type(callback).__name__}(device={device!r}): the averaged copy is sharded like the model and stays on"
+            " its device. Leave `device` unset."
+        )
 
 
 def _mirror(model: nn.Module) -> nn.Module:

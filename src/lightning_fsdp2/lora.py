@@ -82,6 +82,8 @@ def save_adapter(module: nn.Module, directory: str | os.PathLike, *, adapter_nam
     adapter = gather_to_rank0(to_gather)
 
     def write(tmp: Path) -> None:
+        if (directory / "README.md").is_file():  # peft updates an existing model card rather than replacing it
+            shutil.copy2(directory / "README.md", tmp / "README.md")
         if peft_model.peft_config[adapter_name].is_prompt_learning:
             # peft's save_pretrained ignores a given state dict for prompt learning and runs the sharded encoder
             # again: write its two files, as it names them, from the gathered tensors under peft's keys.
@@ -95,12 +97,8 @@ def save_adapter(module: nn.Module, directory: str | os.PathLike, *, adapter_nam
             if config.base_model_name_or_path is None:
                 config.base_model_name_or_path = peft_model.get_base_model().__dict__.get("name_or_path")
             config.save_pretrained(str(tmp))
-            if (directory / "README.md").is_file():
-                shutil.copy2(directory / "README.md", tmp / "README.md")
             peft_model.create_or_update_model_card(str(tmp))
             return
-        if (directory / "README.md").is_file():  # peft updates an existing model card rather than replacing it
-            shutil.copy2(directory / "README.md", tmp / "README.md")
         peft_model.save_pretrained(str(tmp), state_dict=adapter, selected_adapters=[adapter_name])
         if adapter_name != "default":  # peft puts a non-default adapter in a subdirectory of that name
             for file in (tmp / adapter_name).iterdir():

@@ -273,9 +273,9 @@ class FSDP2Strategy(ParallelStrategy):
         between plain and sharded tensors: refused before any work, rather than failing in the middle of fit."""
         from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
 
-        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         from lightning_fsdp2 import averaging
 
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         ours = (averaging.WeightAveraging, averaging.EMAWeightAveraging, averaging.StochasticWeightAveraging)
         refused = [type(c).__name__ for c in getattr(trainer, "callbacks", []) or []
                    if isinstance(c, (WeightAveraging, StochasticWeightAveraging)) and not isinstance(c, ours)]

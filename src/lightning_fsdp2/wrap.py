@@ -130,7 +130,8 @@ def shard_model(
     The roots are the children of ``model`` (the ``LightningModule``) that hold parameters, such as ``self.model``:
     FSDP2 gathers a root's remaining parameters (embeddings, final norm, head) when the root is *called*, so with
     ``self.model`` as a root, ``self.model(...)`` and ``self.model.generate(...)`` (registered as a forward method)
-    work anywhere, in ``*_step`` or in a callback. Only when ``model`` holds parameters itself, or its children share parameters with each other, is
+    work anywhere, in ``*_step`` or in a callback. Only when ``model`` holds parameters itself, or its children share
+    parameters with each other, is
     ``model`` the single root; its steps must then run through its ``__call__`` (the strategy sees to that).
 
     Two kinds of modules are never made groups of their own, whatever the policy says:
@@ -162,7 +163,7 @@ def shard_model(
             continue
         fully_shard(module, **kwargs)
         groups.append(name)
-    if not groups and not _is_rank(1):
+    if not groups and _rank0():
         warnings.warn(
             "The wrap policy selected no module with parameters of its own: only the roots are sharded, so each is"
             " gathered whole for its forward (no memory saved over DDP while it runs). Name the repeated blocks in"
@@ -186,11 +187,11 @@ def shard_model(
     return groups
 
 
-def _is_rank(n: int) -> bool:
-    """Whether this process's rank is ``n`` or more (warn once, from rank 0)."""
+def _rank0() -> bool:
+    """Whether this process is rank 0 (or there is no process group): who warns, once."""
     import torch.distributed as dist
 
-    return dist.is_available() and dist.is_initialized() and dist.get_rank() >= n
+    return not (dist.is_available() and dist.is_initialized()) or dist.get_rank() == 0
 
 
 def root_names(model: nn.Module) -> list[str]:

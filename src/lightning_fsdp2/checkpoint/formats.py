@@ -42,10 +42,6 @@ from lightning_fsdp2.checkpoint.shards import gather_to_rank0, local_slice
 from lightning_fsdp2.checkpoint.sources import StateDictSource
 from lightning_fsdp2.checkpoint.stream import save_streamed, sharded_entries
 
-# Added to a checkpoint dict when it is read (never saved): the file it came from, and for a sharded checkpoint the
-# directory its tensors are still in.
-
-
 class LoadedCheckpoint(dict):
     """A checkpoint as :func:`load` returns it: the dict Lightning restores from, and where it was read from
     (``path``; ``sharded``: its tensors are still in that directory, read into the shards by :func:`load_model`,
@@ -493,9 +489,9 @@ def load_optimizers(module: nn.Module, optimizers: Sequence[Optimizer], checkpoi
             f"The checkpoint holds state for {len(states)} optimizer(s), but `configure_optimizers` returned"
             f" {len(optimizers)}. Resume with the same optimizers."
         )
+    directory = _sharded_dir(checkpoint)
     for i, (optimizer, state) in enumerate(zip(optimizers, states)):
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
-        directory = _sharded_dir(checkpoint)
         if directory is not None:
             load_sharded_optimizer(module, optimizer, directory, i)
         else:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import functools
-
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 
