@@ -54,12 +54,12 @@ def sections() -> list[tuple[ModuleType, list[str]]]:
     plan: list[tuple[ModuleType, list[str]]] = [
         (top, ["FSDP2Strategy", "FSDP2Precision", "load_pretrained", "CheckpointFileError", "UninitializedError"])
     ]
-    for suffix in ("lora", "averaging", "convert"):
+    for suffix in ("fabric", "lora", "averaging", "convert"):
         module = importlib.import_module(f"{PACKAGE}.{suffix}")
         plan.append((module, list(module.__all__)))
     checkpoint = importlib.import_module(f"{PACKAGE}.checkpoint")
     plan.append((checkpoint, [n for n in checkpoint.__all__ if _is_documentable(getattr(checkpoint, n))]))
-    for suffix in ("wrap", "init", "precision"):
+    for suffix in ("parallel", "wrap", "init", "precision"):
         module = importlib.import_module(f"{PACKAGE}.{suffix}")
         plan.append((module, _defined_public(module)))
 

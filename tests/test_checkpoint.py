@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_fsdp2 import CheckpointFileError, FSDP2Strategy, load_pretrained
-from lightning_fsdp2.checkpoint import check_sharded_files
+from lightning_fsdp2.checkpoint.files import check_sharded_files
 from tests.helpers import run_distributed
 from tests.models import (
     fit_resumable,
@@ -214,7 +214,7 @@ def test_load_pretrained_on_meta_outside_fsdp2_is_refused(pretrained: Path) -> N
 
 
 def test_full_state_dict_load_names_unexpected_and_missing_keys() -> None:
-    from lightning_fsdp2.checkpoint import load_full_state_dict
+    from lightning_fsdp2.checkpoint.formats import load_full_state_dict
 
     model = torch.nn.Sequential(torch.nn.Linear(2, 3))
     state = {k: v.clone() for k, v in model.state_dict().items()}
@@ -294,7 +294,8 @@ def _gather_and_reload_uneven() -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    from lightning_fsdp2.checkpoint import gather_to_rank0, load_full_state_dict
+    from lightning_fsdp2.checkpoint.formats import load_full_state_dict
+    from lightning_fsdp2.checkpoint.shards import gather_to_rank0
 
     dist.init_process_group("gloo")
     mesh = init_device_mesh("cpu", (dist.get_world_size(),))
@@ -329,7 +330,7 @@ def test_gather_and_slice_load_handle_uneven_shards() -> None:
 # =========================================================================== reading safely
 def test_checkpoints_are_read_without_unpickling_code(tmp_path: Path) -> None:
     """A pickle that would run code is refused by `weights_only=True`, naming the file."""
-    from lightning_fsdp2.checkpoint import load_torch_file
+    from lightning_fsdp2.checkpoint.files import load_torch_file
 
     class Payload:
         def __reduce__(self):
@@ -448,7 +449,7 @@ def test_weight_index_pointing_outside_is_refused(pretrained: Path, tmp_path: Pa
     import json
     import shutil
 
-    from lightning_fsdp2.checkpoint import open_source
+    from lightning_fsdp2.checkpoint.sources import open_source
 
     model = tmp_path / "model"
     shutil.copytree(pretrained, model)
@@ -513,7 +514,7 @@ def test_twice_wrapped_adapters_keep_distinct_names_and_load(tmp_path: Path) -> 
     peft state dict with non-zero adapters loads into the sharded model and gives the eager model's logits."""
     from transformers import Qwen3MoeForCausalLM
 
-    from lightning_fsdp2.checkpoint import canonical_name
+    from lightning_fsdp2.checkpoint.plan import canonical_name
 
     torch.manual_seed(0)
     eager = _moe_lora(Qwen3MoeForCausalLM(_moe_config()))

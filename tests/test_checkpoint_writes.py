@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from lightning_fsdp2 import CheckpointFileError
-from lightning_fsdp2.checkpoint import save_streamed
+from lightning_fsdp2.checkpoint.stream import save_streamed
 from lightning_fsdp2.convert import read_full_checkpoint
 from tests.helpers import run_distributed
 from tests.models import build_llama, fit_resumable, probe_logits, save_tiny_pretrained
@@ -82,7 +82,7 @@ def test_saving_over_a_foreign_directory_or_file_is_refused_and_ours_is_replaced
 def test_only_checkpoints_of_ours_are_replaceable(saved: dict, tmp_path: Path) -> None:
     import shutil
 
-    from lightning_fsdp2.checkpoint import check_replaceable
+    from lightning_fsdp2.checkpoint.files import check_replaceable
     from lightning_fsdp2.checkpoint.files import remove
 
     torch.save({"state_dict": {}}, tmp_path / "a.ckpt")
@@ -269,7 +269,7 @@ def test_a_full_disk_is_named_on_every_rank_and_leaves_the_previous_checkpoint(
 def test_a_sharded_checkpoint_without_meta_is_called_incomplete(saved: dict, tmp_path: Path) -> None:
     import shutil
 
-    from lightning_fsdp2.checkpoint import read_sharded_meta
+    from lightning_fsdp2.checkpoint.formats import read_sharded_meta
 
     broken = tmp_path / "broken.ckpt"
     shutil.copytree(saved["sharded"], broken)

@@ -80,7 +80,7 @@ def test_a_truncated_file_is_named_as_such(tmp_path: Path) -> None:
 
 
 def test_optimizer_state_that_does_not_fit_is_named() -> None:
-    from lightning_fsdp2.checkpoint import load_optimizers, optimizer_state_by_name
+    from lightning_fsdp2.checkpoint.formats import load_optimizers, optimizer_state_by_name
 
     model = torch.nn.Sequential(torch.nn.Linear(4, 3), torch.nn.Linear(3, 2))
     optimizer = torch.optim.AdamW(model.parameters())

@@ -1,6 +1,7 @@
 """lightning-fsdp2: PyTorch FSDP2 (``fully_shard``) as a Lightning ``Trainer`` strategy.
 
-``import lightning_fsdp2`` registers the strategy with Lightning, so ``Trainer(strategy="fsdp2")`` works.
+``import lightning_fsdp2`` registers the strategies with Lightning, so ``Trainer(strategy="fsdp2")`` and
+``Fabric(strategy="fsdp2")`` work (the Fabric one is :class:`lightning_fsdp2.fabric.FSDP2Strategy`).
 """
 
 import torch
@@ -17,6 +18,12 @@ from lightning_fsdp2.precision import FSDP2Precision  # noqa: E402
 from lightning_fsdp2.strategy import FSDP2Strategy  # noqa: E402
 
 FSDP2Strategy.register_strategies(StrategyRegistry)
+
+from lightning.fabric.strategies import STRATEGY_REGISTRY as _FABRIC_STRATEGIES  # noqa: E402
+
+from lightning_fsdp2 import fabric as _fabric  # noqa: E402
+
+_fabric.FSDP2Strategy.register_strategies(_FABRIC_STRATEGIES)  # Fabric(strategy="fsdp2")
 
 __version__ = "0.1.0"
 __all__ = [

@@ -19,23 +19,17 @@ import os
 from pathlib import Path
 from typing import Any
 
-from lightning_fsdp2.checkpoint import (
+from lightning_fsdp2.checkpoint.files import (
     FORMAT_KEY,
+    CheckpointFileError,
     atomic_save,
+    check_replaceable,
+    export_into,
     is_sharded_checkpoint,
     load_torch_file,
-    optimizer_state_by_index,
-    read_sharded_meta,
-)
-from lightning_fsdp2.checkpoint.files import (
-    CheckpointFileError,
-    check_export_directory,
-    check_replaceable,
-    delete,
     stale_safetensors_weights,
-    temporary_path,
-    write_files_into,
 )
+from lightning_fsdp2.checkpoint.formats import optimizer_state_by_index, read_sharded_meta
 from lightning_fsdp2.checkpoint.plan import canonical_name, is_adapter_key
 
 __all__ = ["read_full_checkpoint", "sharded_to_full", "to_hf_safetensors", "main"]
@@ -126,19 +120,16 @@ def to_hf_safetensors(
             " PeftModel.from_pretrained), or pass --keep-peft-names to write peft's names for load_pretrained."
         )
     dst = Path(dst)
-    check_export_directory(dst)
-    tmp = temporary_path(dst)
-    tmp.mkdir(parents=True)
-    try:
+
+    def write(tmp: Path) -> None:
         save_torch_state_dict(weights, tmp, max_shard_size=max_shard_size)
         if config_from is not None:
             for file in Path(config_from).iterdir():
                 if file.is_file() and (file.name in _CONFIG_FILES or file.name.startswith("tokenizer")):
                     shutil.copy2(file, tmp / file.name)
-        # Into the directory file by file: other files there stay; weights of an earlier export are superseded.
-        write_files_into(tmp, dst, supersedes=stale_safetensors_weights)
-    finally:
-        delete(tmp)
+
+    # Into the directory file by file: other files there stay; weights of an earlier export are superseded.
+    export_into(dst, write, supersedes=stale_safetensors_weights)
     return dst
 
 

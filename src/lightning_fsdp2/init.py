@@ -23,7 +23,6 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Generator, Iterator, Set
 from contextlib import contextmanager
-from contextvars import ContextVar
 from typing import Any
 
 import torch
@@ -45,16 +44,6 @@ class UninitializedError(RuntimeError):
     """Raised when parameters or buffers were left without values after materialization."""
 
 
-# True while `configure_model` runs under FSDP2Strategy's meta init: a strategy that materializes the model later is
-# there to run deferred pretrained loads (`checkpoint.load_pretrained`). Anywhere else a load on meta would be lost.
-_materialized_later: ContextVar[bool] = ContextVar("lightning_fsdp2_materialized_later", default=False)
-
-
-def materialized_later() -> bool:
-    """Whether the model being built now will be materialized (and deferred loads run) by ``FSDP2Strategy``."""
-    return _materialized_later.get()
-
-
 @contextmanager
 def meta_init_context() -> Generator[None, None, None]:
     """Create parameters on ``meta`` and buffers for real while the block runs.
@@ -62,6 +51,17 @@ def meta_init_context() -> Generator[None, None, None]:
     Every ``nn.Parameter`` registered on a module is moved to ``meta`` the moment it is registered; whatever the
     module's ``__init__`` then does to it (``reset_parameters``) is a no-op. Tensors that are not parameters stay
     where they were created, so buffers keep the exact values an eager build gives them.
+
+    Two patches of global state, both undone when the block ends (also after an error), and both the only way we know:
+
+    * ``nn.Module.register_parameter`` (every ``self.weight = nn.Parameter(...)`` goes through it). A
+      ``torch.device("meta")`` context would send buffers to ``meta`` too, and their values (RoPE ``inv_freq``) with
+      them; accelerate's ``init_empty_weights(include_buffers=False)`` patches the same method for the same reason.
+    * ``from_pretrained`` of transformers' and peft's models made to raise: the weights it reads would land on
+      ``meta`` parameters and be dropped without a word.
+
+    They are process-wide while the block runs: another thread building modules at the same time would be affected.
+    Lightning runs ``configure_model`` (and Fabric ``init_module``) on the main thread, before training starts.
     """
     original = nn.Module.register_parameter
 
@@ -75,11 +75,9 @@ def meta_init_context() -> Generator[None, None, None]:
 
     nn.Module.register_parameter = register_parameter  # type: ignore[method-assign]
     refused = _refuse_loading_on_meta()
-    token = _materialized_later.set(True)
     try:
         yield
     finally:
-        _materialized_later.reset(token)
         nn.Module.register_parameter = original  # type: ignore[method-assign]
         for cls, method in refused:
             setattr(cls, "from_pretrained", method)
@@ -104,10 +102,11 @@ def _refuse_loading_on_meta() -> list[tuple[type, Any]]:
 
     def refuse(cls: type, *args: Any, **kwargs: Any) -> None:
         raise RuntimeError(
-            f"{cls.__name__}.from_pretrained was called in `configure_model` while FSDP2Strategy builds parameters on"
-            " the meta device: the loaded weights would be dropped. Build the model with `from_config(...)` (and"
-            " peft's `get_peft_model`) and load the weights after sharding, or pass FSDP2Strategy(meta_init=False)"
-            " to build and load the whole model on the CPU first."
+            f"{cls.__name__}.from_pretrained was called in `configure_model` (or `fabric.init_module()`) while"
+            " FSDP2Strategy builds parameters on the meta device: the loaded weights would be dropped. Build the model"
+            " with `from_config(...)` (and peft's `get_peft_model`) and declare its weights with load_pretrained, read"
+            " after sharding; or pass FSDP2Strategy(meta_init=False) to build and load the whole model on the CPU"
+            " first."
         )
 
     saved = [(cls, cls.__dict__["from_pretrained"]) for cls in classes if "from_pretrained" in cls.__dict__]

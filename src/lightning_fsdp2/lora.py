@@ -30,11 +30,9 @@ from torch import nn
 
 from lightning_fsdp2.checkpoint.files import (
     check_export_directory,
-    delete,
+    export_into,
     on_rank0,
     stale_safetensors_weights,
-    temporary_path,
-    write_files_into,
 )
 from lightning_fsdp2.checkpoint.plan import peft_state_dict, tied_aliases
 from lightning_fsdp2.checkpoint.pretrained import declare_load
@@ -169,21 +167,10 @@ def load_adapter(module: nn.Module, source: PretrainedSource, *, strict: bool = 
 def _write_directory(
     directory: Path, write: Callable[[Path], None], what: str, supersedes: Callable[[str, set[str]], bool] | None
 ) -> None:
-    """Run ``write(tmp)`` on rank 0 into a temporary directory beside ``directory``, then move its files into
-    ``directory`` one atomic rename each; files already there that the export does not write are left alone, except
-    the ones ``supersedes`` names (weights of an earlier export that the new ones replace)."""
-
-    def run() -> None:
-        tmp = temporary_path(directory)
-        directory.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            tmp.mkdir()
-            write(tmp)
-            write_files_into(tmp, directory, supersedes=supersedes)
-        finally:
-            delete(tmp)
-
-    on_rank0(run, f"{what} to {directory}")
+    """Rank 0 writes the export (:func:`files.export_into`); files already in ``directory`` that the export does not
+    write are left alone, except the ones ``supersedes`` names (weights of an earlier export that the new ones
+    replace). Every rank raises if it fails."""
+    on_rank0(lambda: export_into(directory, write, supersedes=supersedes), f"{what} to {directory}")
 
 
 class AdapterExport(Callback):

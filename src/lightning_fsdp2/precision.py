@@ -39,21 +39,10 @@ _LOW_DTYPE: dict[str, torch.dtype] = {
 }
 
 
-class FSDP2Precision(Precision):
-    """Precision plugin for :class:`~lightning_fsdp2.FSDP2Strategy`.
-
-    The strategy swaps Lightning's stock plugin (chosen from ``Trainer(precision=...)``) for this one, so users
-    normally never construct it. Pass it explicitly (``Trainer(plugins=FSDP2Precision("16-mixed"))``) to pick a
-    mode Lightning would otherwise rewrite, such as ``"16-mixed"`` on CPU.
-
-    Args:
-        precision: one of ``"32-true"``, ``"bf16-true"``, ``"16-true"``, ``"bf16-mixed"``, ``"16-mixed"``.
-        scaler: gradient scaler for ``"16-mixed"``; defaults to FSDP's ``ShardedGradScaler``, which agrees on
-            "found inf" across ranks (each rank sees only its shard of the gradients).
-
-    Like Lightning's own plugins it has ``precision``, ``scaler`` (``None`` but for ``"16-mixed"``) and ``device``
-    (``"cuda"`` where CUDA is available, else ``"cpu"``).
-    """
+class PrecisionCore:
+    """What both front-ends' ``FSDP2Precision`` plugins share: the dtypes, the FSDP2 policy, the module conversion and
+    the contexts. The Trainer's (:class:`FSDP2Precision`) and Fabric's (:class:`lightning_fsdp2.fabric.FSDP2Precision`)
+    add their front-end's backward and optimizer-step hooks."""
 
     def __init__(self, precision: FSDP2PrecisionType = "32-true", scaler: Any | None = None) -> None:
         supported = get_args(FSDP2PrecisionType)
@@ -132,6 +121,32 @@ class FSDP2Precision(Precision):
             )
         return data
 
+    def state_dict(self) -> dict[str, Any]:
+        """The scaler's state, saved in checkpoints under ``"16-mixed"``."""
+        return self.scaler.state_dict() if self.scaler is not None else {}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Restore the scaler's state."""
+        if self.scaler is not None and state_dict:
+            self.scaler.load_state_dict(state_dict)
+
+
+class FSDP2Precision(PrecisionCore, Precision):
+    """Precision plugin for :class:`~lightning_fsdp2.FSDP2Strategy`.
+
+    The strategy swaps Lightning's stock plugin (chosen from ``Trainer(precision=...)``) for this one, so users
+    normally never construct it. Pass it explicitly (``Trainer(plugins=FSDP2Precision("16-mixed"))``) to pick a
+    mode Lightning would otherwise rewrite, such as ``"16-mixed"`` on CPU.
+
+    Args:
+        precision: one of ``"32-true"``, ``"bf16-true"``, ``"16-true"``, ``"bf16-mixed"``, ``"16-mixed"``.
+        scaler: gradient scaler for ``"16-mixed"``; defaults to FSDP's ``ShardedGradScaler``, which agrees on
+            "found inf" across ranks (each rank sees only its shard of the gradients).
+
+    Like Lightning's own plugins it has ``precision``, ``scaler`` (``None`` but for ``"16-mixed"``) and ``device``
+    (``"cuda"`` where CUDA is available, else ``"cpu"``).
+    """
+
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         """Scale the loss under ``"16-mixed"``."""
         if self.scaler is not None:
@@ -162,24 +177,18 @@ class FSDP2Precision(Precision):
         """Clip by the norm of the *whole* gradient, not of this rank's shard (see :func:`clip_grad_norm_`)."""
         clip_grad_norm_(self.main_params(optimizer), clip_val)
 
-    def state_dict(self) -> dict[str, Any]:
-        """The scaler's state, saved in checkpoints under ``"16-mixed"``."""
-        return self.scaler.state_dict() if self.scaler is not None else {}
-
-    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        """Restore the scaler's state."""
-        if self.scaler is not None and state_dict:
-            self.scaler.load_state_dict(state_dict)
-
 
 @torch.no_grad()
-def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0) -> Tensor:
+def clip_grad_norm_(
+    parameters: Iterable[Tensor], max_norm: float, norm_type: float = 2.0, error_if_nonfinite: bool = False
+) -> Tensor:
     """Clip gradients of (possibly sharded) parameters by their global norm; return that norm.
 
     With FSDP2 each rank holds a shard of every gradient (a ``DTensor``). The norm that decides the clipping factor
     must be the norm over all shards, or ranks would scale their pieces of one gradient differently. The norm of
     sharded gradients is a partial ``DTensor``; ``full_tensor()`` all-reduces it into the global norm. All gradients
     must be of one kind (all sharded on one mesh, or all plain), as they are under FSDP2Strategy.
+    ``error_if_nonfinite`` raises when that norm is NaN or infinite, as torch's own clipping does (a host sync).
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
@@ -187,6 +196,11 @@ def clip_grad_norm_(parameters: Iterable[Tensor], max_norm: float, norm_type: fl
     total_norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
     if isinstance(total_norm, DTensor):
         total_norm = total_norm.full_tensor()
+    if error_if_nonfinite and not torch.isfinite(total_norm):
+        raise RuntimeError(
+            f"The total norm of order {float(norm_type)} of the gradients is non-finite, so they cannot be clipped."
+            " Set `error_if_nonfinite=False` to clip anyway (the gradients then become NaN)."
+        )
     # The factor stays a tensor on the device (no host sync per step, as torch's own clipping). Multiplying sharded
     # gradients by a plain 0-dim tensor is allowed as an implicitly replicated value.
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).to(grads[0].dtype)

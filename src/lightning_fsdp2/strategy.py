@@ -17,6 +17,7 @@ Checkpoints are saved and loaded by ``checkpoint/formats.py``, in the format ``s
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
@@ -48,25 +49,22 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 from torch.optim import Optimizer
 
-from lightning_fsdp2 import checkpoint as ckpt
+from lightning_fsdp2.checkpoint import formats as ckpt
+from lightning_fsdp2.checkpoint.files import remove as remove_checkpoint
+from lightning_fsdp2.checkpoint.plan import tied_aliases
 from lightning_fsdp2.checkpoint.stream import sharded_entries
-from lightning_fsdp2.init import (
-    check_initialized,
-    check_peft_supported,
-    initialize_from_loaded,
-    initialize_module,
-    materialize_module,
-    meta_init_context,
-    meta_tensor_names,
+from lightning_fsdp2.checkpoint.pretrained import DeferredLoads
+from lightning_fsdp2.init import meta_init_context
+from lightning_fsdp2.parallel import (
+    Parallelized,
+    ShardingOptions,
+    check_not_rebuilt,
+    no_gradient_sync,
+    parallelize,
+    validate_external_launch,
 )
 from lightning_fsdp2.precision import FSDP2Precision
-from lightning_fsdp2.wrap import (
-    ModulePolicy,
-    apply_activation_checkpointing,
-    kv_cache_configs,
-    no_kv_cache,
-    shard_model,
-)
+from lightning_fsdp2.wrap import ModulePolicy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -148,12 +146,14 @@ class FSDP2Strategy(ParallelStrategy):
         )
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
-        self._auto_wrap_policy = auto_wrap_policy
-        self._activation_checkpointing_policy = activation_checkpointing_policy
-        self._mixed_precision = mixed_precision
-        self._reshard_after_forward = reshard_after_forward
-        self._offload_policy: OffloadPolicy | None = (
-            cpu_offload if isinstance(cpu_offload, OffloadPolicy) else (CPUOffloadPolicy() if cpu_offload else None)
+        self._sharding = ShardingOptions(
+            auto_wrap_policy=auto_wrap_policy,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+            mixed_precision=mixed_precision,
+            reshard_after_forward=reshard_after_forward,
+            offload_policy=(
+                cpu_offload if isinstance(cpu_offload, OffloadPolicy) else (CPUOffloadPolicy() if cpu_offload else None)
+            ),
         )
         self._meta_init = meta_init
         self._process_group_backend = process_group_backend
@@ -171,7 +171,9 @@ class FSDP2Strategy(ParallelStrategy):
         self._async_save = async_save
         self._background: ckpt.BackgroundWriter | None = None  # made in setup_environment (it makes a process group)
         self._failed = False  # an exception ended the run: teardown must not wait for the other ranks
-        self._kv_cache_configs: list[Any] = []  # models whose KV cache is off during training steps (see wrap.py)
+        self._deferred = DeferredLoads()  # load_pretrained calls made in configure_model, run after sharding
+        self._parallelized: Parallelized | None = None  # what parallelize did to the LightningModule
+        self._parallelized_module: weakref.ref[nn.Module] | None = None  # ... and to which module
         self._torn_down = False
         self._device_mesh: DeviceMesh | None = None
         self.num_nodes = 1
@@ -236,23 +238,18 @@ class FSDP2Strategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         """Start the process group and build the device mesh."""
-        self._validate_external_launch()
+        validate_external_launch(
+            self.cluster_environment,
+            num_processes=self.num_processes,
+            num_nodes=self.num_nodes,
+            local_rank=self.local_rank,
+            node_rank=self.node_rank,
+        )
         self._refuse_unsupported_callbacks()
         super().setup_environment()
-        if self._offload_policy is not None and self.root_device.type == "cpu":
-            raise ValueError(
-                "FSDP2Strategy(cpu_offload=True) moves parameters from an accelerator to CPU memory, but this run is"
-                " already on the CPU. Remove `cpu_offload`, or train on GPUs (`Trainer(accelerator='cuda')`)."
-            )
         reset_seed()
         self.set_world_ranks()
-        resharded = self._reshard_after_forward
-        if not isinstance(resharded, bool) and not (1 < resharded < self.world_size and self.world_size % resharded == 0):
-            raise ValueError(
-                f"FSDP2Strategy(reshard_after_forward={resharded}) at world size {self.world_size}: an int is the size"
-                f" of the groups parameters are resharded to after forward, a divisor of {self.world_size} other than 1"
-                f" and {self.world_size} (those are reshard_after_forward=False and True)."
-            )
+        self._sharding.check(self.world_size, self.root_device)
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -286,44 +283,6 @@ class FSDP2Strategy(ParallelStrategy):
                 " lightning_fsdp2.averaging (same arguments), which keeps the averaged copy sharded like the model."
             )
 
-    def _validate_external_launch(self) -> None:
-        """Processes started outside Lightning (torchrun, SLURM, any launcher) must be as many as the Trainer's
-        ``devices * num_nodes``: Lightning's launchers check that, but with no launcher nobody does, and a mismatch
-        trains silently on part of the data or fails in an index. Checked from each rank's own environment before
-        any collective, so every rank raises together."""
-        env = self.cluster_environment
-        if env is None or not env.creates_processes_externally:
-            return
-        env.validate_settings(num_devices=self.num_processes, num_nodes=self.num_nodes)  # torchrun's and SLURM's own
-        expected = self.num_processes * self.num_nodes
-        world = os.environ.get("WORLD_SIZE")
-        if world is not None and int(world) != expected:
-            raise ValueError(
-                f"You set `devices={self.num_processes}` and `num_nodes={self.num_nodes}` in Lightning, but the product"
-                f" ({self.num_processes} * {self.num_nodes}) does not match the world size ({world}) of the processes"
-                " your launcher started. Set `devices` to the processes per node and `num_nodes` to the nodes."
-            )
-        if not 0 <= self.local_rank < self.num_processes:
-            raise ValueError(
-                f"This process has LOCAL_RANK={self.local_rank}, but `devices={self.num_processes}` in Lightning: set"
-                " `devices` to the number of processes the launcher starts per node."
-            )
-        # Right total, wrong split (2 nodes x 1 process launched, `devices=2, num_nodes=1`): only the processes
-        # whose own numbers are out of range can tell; the others then wait for them until `timeout`.
-        if not 0 <= self.node_rank < self.num_nodes:
-            raise ValueError(
-                f"This process has NODE_RANK={self.node_rank}, but `num_nodes={self.num_nodes}` in Lightning: set"
-                " `num_nodes` to the number of nodes and `devices` to the processes per node the launcher starts."
-            )
-        rank = os.environ.get("RANK")
-        if rank is not None and int(rank) != self.node_rank * self.num_processes + self.local_rank:
-            raise ValueError(
-                f"This process has RANK={rank}, but `devices={self.num_processes}` and `num_nodes={self.num_nodes}`"
-                f" in Lightning make it rank {self.node_rank * self.num_processes + self.local_rank} (NODE_RANK"
-                f" {self.node_rank} x {self.num_processes} + LOCAL_RANK {self.local_rank}): set `devices` to the"
-                " processes per node and `num_nodes` to the nodes the launcher starts."
-            )
-
     def set_world_ranks(self) -> None:
         """Tell the cluster environment and ``rank_zero_only`` this process's global rank."""
         if self.cluster_environment is not None:
@@ -336,7 +295,8 @@ class FSDP2Strategy(ParallelStrategy):
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Where ``configure_model`` runs: parameters on ``meta`` (unless ``meta_init=False``), storage dtype set."""
         meta = self._meta_init if empty_init is None else empty_init
-        with meta_init_context() if meta else nullcontext(), self.precision_plugin.tensor_init_context():
+        with meta_init_context() if meta else nullcontext(), self._deferred.collecting(), \
+                self.precision_plugin.tensor_init_context():
             yield
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -354,60 +314,24 @@ class FSDP2Strategy(ParallelStrategy):
         self.setup_precision_plugin()
 
     def parallelize(self, module: pl.LightningModule) -> pl.LightningModule:
-        """Convert, checkpoint, shard, materialize and initialize ``module`` in place; a no-op if already done."""
+        """Convert, checkpoint, shard, materialize and initialize ``module`` in place (see
+        :func:`lightning_fsdp2.parallel.parallelize`); a no-op if already done."""
         # Lightning runs `configure_model` and `setup` again for every Trainer call (fit, then validate...).
-        if getattr(module, "_fsdp2_parallelized", False):
-            _check_not_rebuilt(module)
+        if self._parallelized_module is not None and self._parallelized_module() is module:
+            check_not_rebuilt(module)
             return module
-        _check_no_fsdp1(module)
-        _check_built(module)
         trainer = getattr(module, "_trainer", None)
-        check_peft_supported(module, training=trainer is not None and trainer.state.fn == TrainerFn.FITTING)
-        # Planned before sharding, so that a checkpoint that does not fit fails before any memory is allocated.
-        pretrained = ckpt.pending_pretrained(module)
-        module = self.precision_plugin.convert_module(module)
-        self._broadcast_real_tensors(module)
-        if self._activation_checkpointing_policy is not None:
-            checkpointed = apply_activation_checkpointing(module, self._activation_checkpointing_policy)
-            self._kv_cache_configs = kv_cache_configs(module, checkpointed)
-        shard_model(
+        self._parallelized = parallelize(
             module,
             self.device_mesh,
-            self._auto_wrap_policy,
-            mp_policy=self._mixed_precision or self.precision_plugin.mixed_precision_policy,
-            offload_policy=self._offload_policy,
-            reshard_after_forward=self._reshard_after_forward,
+            options=self._sharding,
+            precision=self.precision_plugin,
+            device=self.root_device,
+            pretrained=self._deferred.take(module),
+            training=trainer is not None and trainer.state.fn == TrainerFn.FITTING,
         )
-        # Offloaded shards live in CPU memory; FSDP2 copies them to the device when it gathers them.
-        storage = torch.device("cpu") if self._offload_policy is not None else self.root_device
-        loaded = pretrained.covered
-        materialized = materialize_module(module, storage, buffer_device=self.root_device, to_load=loaded)
-        # Tensors that pretrained weights overwrite are neither initialized nor checked for the NaN sentinel: every
-        # element of their shards is copied from the file (or the load raises). At scale that saves minutes.
-        to_initialize = [name for name in materialized if name not in loaded]
-        initialize_module(module, to_initialize)
-        pretrained.run(module)
-        initialize_from_loaded(module, to_initialize)  # DoRA magnitudes: norms of the loaded base weights
-        check_initialized(module, to_initialize, self.root_device)
-        module._fsdp2_parallelized = True
+        self._parallelized_module = weakref.ref(module)
         return module
-
-    @torch.no_grad()
-    def _broadcast_real_tensors(self, module: nn.Module) -> None:
-        """Give every rank rank 0's values of the tensors built for real (in ``__init__``, or with
-        ``meta_init=False``), as DDP does: ``fully_shard`` keeps each rank's own slice of its own tensor, so values
-        that differ between ranks (another seed, weights loaded on one rank) would end up stitched together. One
-        tensor at a time, through the device for backends that need it (NCCL). Meta tensors are left alone: they get
-        their values after sharding."""
-        if self.world_size == 1:
-            return
-        for tensor in [*module.parameters(), *module.buffers()]:
-            if tensor.is_meta:
-                continue
-            staged = tensor.data if tensor.device == self.root_device else tensor.data.to(self.root_device)
-            torch.distributed.broadcast(staged, src=0)
-            if staged is not tensor.data:
-                tensor.data.copy_(staged)
 
     def model_to_device(self) -> None:
         """Nothing to do: ``fully_shard`` and materialization placed every shard on its device."""
@@ -424,9 +348,8 @@ class FSDP2Strategy(ParallelStrategy):
             return getattr(module, name)(*args, **kwargs)
 
     def training_step(self, *args: Any, **kwargs: Any) -> Any:
-        """Run the module's ``training_step`` (with the key/value cache of checkpointed Hugging Face models off)."""
-        with no_kv_cache(self._kv_cache_configs):
-            return self._step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
+        """Run the module's ``training_step``."""
+        return self._step("training_step", self.precision_plugin.train_step_context(), *args, **kwargs)
 
     def validation_step(self, *args: Any, **kwargs: Any) -> Any:
         """Run the module's ``validation_step``."""
@@ -443,14 +366,8 @@ class FSDP2Strategy(ParallelStrategy):
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Skip the gradient reduce-scatter on micro-batches that only accumulate (``accumulate_grad_batches``)."""
-        groups = [m for m in self.lightning_module.modules() if isinstance(m, FSDPModule)]
-        for group in groups:
-            group.set_requires_gradient_sync(False, recurse=False)
-        try:
+        with no_gradient_sync(self.lightning_module):
             yield
-        finally:
-            for group in groups:
-                group.set_requires_gradient_sync(True, recurse=False)
 
     # ---------------------------------------------------------------- collectives
     def barrier(self, name: str | None = None) -> None:
@@ -532,7 +449,7 @@ class FSDP2Strategy(ParallelStrategy):
             world_size=self.world_size,
             checkpoint_io=self.checkpoint_io,
             storage_options=storage_options,
-            same_as=ckpt.tied_aliases(self.model, checkpoint.get("state_dict", {})),
+            tied={"state_dict": tied_aliases(self.model, checkpoint.get("state_dict", {}))},
             background=self._background if self._trainer_running() else None,
         )
         self.barrier()
@@ -559,7 +476,7 @@ class FSDP2Strategy(ParallelStrategy):
         if not self.is_global_zero:
             return
         if type(self.checkpoint_io) is TorchCheckpointIO:
-            ckpt.remove(filepath)
+            remove_checkpoint(filepath)
         else:  # the user's plugin wrote it, in its own format: it knows how to remove it
             self.checkpoint_io.remove_checkpoint(filepath)
 
@@ -573,7 +490,8 @@ class FSDP2Strategy(ParallelStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load the model's weights from a checkpoint of either format into the shards, at any world size."""
         assert self.model is not None
-        ckpt.load_model(self.model, checkpoint, strict=strict)
+        initialized = self._parallelized.initialized if self._parallelized is not None else frozenset()
+        ckpt.load_model(self.model, checkpoint, strict=strict, initialized=initialized)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load each optimizer's state into its sharded state, at any world size."""
@@ -676,33 +594,3 @@ def _as_fsdp2_precision(plugin: Precision | None) -> FSDP2Precision | None:
         f"FSDP2Strategy works with FSDP2Precision, not {type(plugin).__name__}. Pass `Trainer(precision=...)` with one"
         " of '32-true', 'bf16-true', '16-true', 'bf16-mixed', '16-mixed', or an FSDP2Precision plugin."
     )
-
-
-def _check_no_fsdp1(module: nn.Module) -> None:
-    from torch.distributed.fsdp import FullyShardedDataParallel
-
-    wrapped = [name or "<root>" for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)]
-    if wrapped:
-        raise TypeError(
-            f"Modules {wrapped} are wrapped in FSDP1's FullyShardedDataParallel. FSDP2Strategy shards the model"
-            " itself with FSDP2: build the plain modules in `configure_model` and remove the FullyShardedDataParallel"
-            " wrapping."
-        )
-
-
-def _check_built(module: nn.Module) -> None:
-    if not any(True for _ in module.parameters()):
-        raise RuntimeError(
-            f"{type(module).__name__} has no parameters to shard. Build the network in `configure_model` (or"
-            " `__init__`) and assign it to an attribute, e.g. `self.model = AutoModelForCausalLM.from_config(...)`."
-        )
-
-
-def _check_not_rebuilt(module: nn.Module) -> None:
-    rebuilt = meta_tensor_names(module)
-    if rebuilt:
-        raise RuntimeError(
-            f"`configure_model` built new layers on a model that is already sharded ({rebuilt[:5]}...). Lightning"
-            " calls it again for every `fit`/`validate`/`test`/`predict`; make it return early when the layers exist,"
-            " e.g. `if self.model is not None: return`."
-        )

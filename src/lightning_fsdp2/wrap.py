@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Any, Union
 
+import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -85,35 +85,37 @@ def apply_activation_checkpointing(model: nn.Module, policy: ModulePolicy) -> li
     return [name for name, _ in chosen]
 
 
-def kv_cache_configs(model: nn.Module, checkpointed: list[str]) -> list[Any]:
-    """The configs (``use_cache=True``) of the Hugging Face models in ``model`` that hold a checkpointed module.
+def no_kv_cache_in_training(model: nn.Module, checkpointed: list[str]) -> None:
+    """Turn the key/value cache off for the training forwards of the Hugging Face models in ``model`` that hold a
+    checkpointed module (``config.use_cache=True``).
 
     A model that returns its key/value cache from a training forward (T5 does by default) makes the recomputed forward
     save other tensors than the first one, which torch's checkpoint refuses ("A different number of tensors was
-    saved"). Transformers' own checkpointing turns the cache off for each training call; :func:`no_kv_cache` does the
-    same around each training step.
+    saved"). Transformers' own checkpointing turns the cache off when ``self.training`` and gradients are enabled;
+    the hooks registered here do the same around each such forward, and put the setting back after it (also after an
+    error): generation and evaluation keep the cache, and the config saved with the model is unchanged. Hooks on the
+    model, so it holds whichever front-end calls it (the Trainer's steps, a Fabric loop).
     """
-    configs = []
+    seen: list[Any] = []
     for name, sub in model.named_modules():
         config = getattr(sub, "config", None)
         holds = any(name == "" or c.startswith(f"{name}.") for c in checkpointed)
-        if getattr(config, "use_cache", False) and holds and all(config is not c for c in configs):
-            configs.append(config)
-    return configs
+        if not (getattr(config, "use_cache", False) and holds) or any(config is c for c in seen):
+            continue
+        seen.append(config)
+        saved: list[bool] = []
 
+        def before(module: nn.Module, _args: Any, config: Any = config, saved: list[bool] = saved) -> None:
+            saved.append(config.use_cache)
+            if module.training and torch.is_grad_enabled():
+                config.use_cache = False
 
-@contextmanager
-def no_kv_cache(configs: list[Any]) -> Generator[None, None, None]:
-    """``use_cache = False`` on these model configs while the block runs (a training step), then as before: generation
-    and evaluation outside it keep the cache, and the config saved with the model is unchanged."""
-    before = [config.use_cache for config in configs]
-    for config in configs:
-        config.use_cache = False
-    try:
-        yield
-    finally:
-        for config, value in zip(configs, before):
-            config.use_cache = value
+        def after(_module: nn.Module, _args: Any, _output: Any, config: Any = config, saved: list[bool] = saved) -> None:
+            if saved:
+                config.use_cache = saved.pop()
+
+        sub.register_forward_pre_hook(before)
+        sub.register_forward_hook(after, always_call=True)
 
 
 def shard_model(
@@ -124,6 +126,7 @@ def shard_model(
     mp_policy: MixedPrecisionPolicy | None = None,
     offload_policy: OffloadPolicy | None = None,
     reshard_after_forward: bool | int = True,
+    model_is_root: bool = False,
 ) -> list[str]:
     """Apply ``fully_shard`` to the selected modules bottom-up, then to the roots; return the groups' names.
 
@@ -133,6 +136,8 @@ def shard_model(
     work anywhere, in ``*_step`` or in a callback. Only when ``model`` holds parameters itself, or its children share
     parameters with each other, is
     ``model`` the single root; its steps must then run through its ``__call__`` (the strategy sees to that).
+    ``model_is_root``: ``model`` is the root whatever it holds, for a front-end that calls ``model`` itself (Fabric
+    calls the module given to ``setup_module``).
 
     Two kinds of modules are never made groups of their own, whatever the policy says:
 
@@ -174,7 +179,7 @@ def shard_model(
     if reshard_after_forward is True:
         kwargs["reshard_after_forward"] = None
     kwargs["mp_policy"] = mp_policy
-    for name in root_names(model):  # looks at the owners afresh: sharding replaced the grouped parameters
+    for name in [""] if model_is_root else root_names(model):  # looks at the owners afresh: sharding replaced the grouped parameters
         root = model.get_submodule(name)
         if not isinstance(root, FSDPModule):  # a child the policy selected is a group, and a root, already
             fully_shard(root, **kwargs)

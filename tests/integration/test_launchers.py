@@ -61,3 +61,25 @@ def test_after_a_spawned_fit_the_main_process_holds_the_trained_weights(start_me
     result = dict(item.split("=") for item in proc.stdout.split("RESULT ")[1].split())
     assert float(result["max_diff"]) == 0.0, result
     assert float(result["moved"]) > 1e-4, result  # trained, not the initial weights
+
+
+@pytest.mark.slow
+def test_fabric_example_runs_and_resumes_at_another_world_size(tmp_path: Path) -> None:
+    """examples/fabric_lora.py under Fabric's own launcher (the script re-run per rank): it trains, writes a checkpoint
+    and the exports; run again with `--resume` on one process, it continues from the saved step."""
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "NODE_RANK")}
+    script = str(ROOT / "examples" / "fabric_lora.py")
+    first = subprocess.run([sys.executable, script, "--max-steps", "2", "--out", str(tmp_path)],
+                           cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert first.returncode == 0, first.stdout[-3000:] + first.stderr[-3000:]
+    before, after = map(float, (tmp_path / "val_loss.txt").read_text().split())
+    assert after < before
+    for name in ("checkpoint.pt", "adapter/adapter_model.safetensors", "adapter/adapter_config.json",
+                 "merged/config.json", "merged/model.safetensors", "loss.png"):
+        assert (tmp_path / name).is_file(), name
+    resumed = subprocess.run([sys.executable, script, "--max-steps", "3", "--devices", "1", "--no-merge",
+                              "--resume", str(tmp_path / "checkpoint.pt"), "--out", str(tmp_path)],
+                             cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert f"resumed from {tmp_path / 'checkpoint.pt'} at step 2" in resumed.stdout
+    assert "after 3 steps" in resumed.stdout

@@ -20,72 +20,13 @@ killed mid-save leaves the previous checkpoint as it was. Every read is ``weight
 
 The modules: ``files`` (safe reads and atomic writes), ``sources`` (tensors read a slice at a time), ``shards``
 (whole tensors to and from shards), ``plan`` (matching names and shapes), ``pretrained`` (``load_pretrained``),
-``formats`` (the two checkpoint formats, as the strategy's hooks use them).
+``stream`` (a full checkpoint written as it is gathered), ``formats`` (the two checkpoint formats, as both strategies'
+hooks use them), ``safe_dcp`` (reading DCP directories without unpickling code). They are the package's internals;
+what users call is exported here.
 """
 
-from lightning_fsdp2.checkpoint.files import (
-    FORMAT_KEY,
-    META_FILENAME,
-    CheckpointFileError,
-    atomic_save,
-    check_replaceable,
-    check_sharded_files,
-    is_sharded_checkpoint,
-    load_torch_file,
-    remove,
-    replace,
-)
-from lightning_fsdp2.checkpoint.formats import (
-    BackgroundWriter,
-    load,
-    load_full_state_dict,
-    load_model,
-    load_optimizers,
-    model_state,
-    optimizer_state,
-    optimizer_state_by_index,
-    optimizer_state_by_name,
-    read_sharded_meta,
-    save,
-)
-from lightning_fsdp2.checkpoint.plan import canonical_name, tied_aliases
-from lightning_fsdp2.checkpoint.pretrained import PendingPretrained, load_pretrained, pending_pretrained
-from lightning_fsdp2.checkpoint.shards import copy_into, gather_to_rank0, local_slice
-from lightning_fsdp2.checkpoint.sources import PretrainedSource, TensorSource, open_source
-from lightning_fsdp2.checkpoint.stream import save_streamed
+from lightning_fsdp2.checkpoint.files import CheckpointFileError, is_sharded_checkpoint
+from lightning_fsdp2.checkpoint.pretrained import load_pretrained
+from lightning_fsdp2.checkpoint.sources import PretrainedSource
 
-__all__ = [
-    "BackgroundWriter",
-    "FORMAT_KEY",
-    "META_FILENAME",
-    "CheckpointFileError",
-    "PendingPretrained",
-    "PretrainedSource",
-    "TensorSource",
-    "atomic_save",
-    "canonical_name",
-    "check_replaceable",
-    "check_sharded_files",
-    "copy_into",
-    "gather_to_rank0",
-    "is_sharded_checkpoint",
-    "load",
-    "load_full_state_dict",
-    "load_model",
-    "load_optimizers",
-    "load_pretrained",
-    "load_torch_file",
-    "local_slice",
-    "model_state",
-    "open_source",
-    "optimizer_state",
-    "optimizer_state_by_index",
-    "optimizer_state_by_name",
-    "pending_pretrained",
-    "read_sharded_meta",
-    "remove",
-    "replace",
-    "save",
-    "save_streamed",
-    "tied_aliases",
-]
+__all__ = ["CheckpointFileError", "PretrainedSource", "is_sharded_checkpoint", "load_pretrained"]

@@ -264,6 +264,23 @@ def write_files_into(
     remove_leftovers(directory, keep=new)
 
 
+def export_into(
+    directory: Path, write: Callable[[Path], None], *, supersedes: Callable[[str, set[str]], bool] | None = None
+) -> None:
+    """Run ``write(tmp)`` into a new temporary directory beside ``directory``, then move its files into ``directory``
+    (:func:`write_files_into`); the temporary directory is removed whatever happens. How every export (peft adapters,
+    merged models, converted checkpoints) is written: call it on the one process that writes."""
+    check_export_directory(directory)
+    tmp = temporary_path(directory)
+    directory.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        tmp.mkdir()
+        write(tmp)
+        write_files_into(tmp, directory, supersedes=supersedes)
+    finally:
+        delete(tmp)
+
+
 _SAFETENSORS_SHARD = re.compile(r"model-\d{5}-of-\d{5}\.safetensors")
 
 

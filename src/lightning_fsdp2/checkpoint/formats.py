@@ -9,7 +9,7 @@ from __future__ import annotations
 import os
 import uuid
 import warnings
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence, Set
 from concurrent.futures import Future
 from pathlib import Path
 from typing import Any
@@ -37,7 +37,6 @@ from lightning_fsdp2.checkpoint.files import (
     writing,
 )
 from lightning_fsdp2.checkpoint.plan import listing, plan_load, run_plan
-from lightning_fsdp2.checkpoint.pretrained import has_pretrained
 from lightning_fsdp2.checkpoint.shards import gather_to_rank0, local_slice
 from lightning_fsdp2.checkpoint.sources import StateDictSource
 from lightning_fsdp2.checkpoint.stream import save_streamed, sharded_entries
@@ -119,15 +118,19 @@ def save(
     world_size: int,
     checkpoint_io: Any,
     storage_options: Any = None,
-    same_as: Mapping[str, str] | None = None,
+    tied: Mapping[str, Mapping[str, str]] | None = None,
     background: BackgroundWriter | None = None,
 ) -> None:
-    """Write a Lightning checkpoint atomically; call on every rank, with the same ``path``.
+    """Write a checkpoint atomically; call on every rank, with the same ``path``.
+
+    ``checkpoint`` is a Lightning checkpoint (``state_dict``, ``optimizer_states``...) or any dict whose entries may
+    hold ``DTensor`` shards (a Fabric checkpoint: one entry per module and optimizer): entries holding shards are
+    gathered (full) or written by each rank (sharded), the rest is written by rank 0.
 
     ``sharded=False``: one file, streamed by rank 0 as the tensors arrive (:func:`stream.save_streamed`), or through
     the user's own ``CheckpointIO`` (or for a remote path) after gathering everything to rank 0. ``sharded=True``: a
-    directory (:func:`save_sharded`), written by ``background`` when given. ``same_as``: tied
-    ``state_dict`` keys (saved once). A plain full checkpoint gets no extra key, so it is exactly what a
+    directory (:func:`save_sharded`), written by ``background`` when given. ``tied``: for a model's entry, the keys of
+    tied weights (saved once). A plain full checkpoint gets no extra key, so it is exactly what a
     single-device run writes; the others record how they were written.
     """
     from lightning.fabric.plugins import TorchCheckpointIO
@@ -148,16 +151,17 @@ def save(
         save_sharded(checkpoint, Path(path), background=background)
         return
     if type(checkpoint_io) is TorchCheckpointIO and is_local(path):
-        save_streamed(checkpoint, path, same_as=same_as)
+        save_streamed(checkpoint, path, tied=tied)
         return
     # The user's own CheckpointIO plugin, or a remote path: Lightning's writer needs the whole dict in memory.
     if is_local(path):
         on_rank0(lambda: check_replaceable(path), f"save to {path}")  # before any work, as for our own writer
-    checkpoint["state_dict"] = gather_to_rank0(checkpoint["state_dict"], same_as=same_as)
+    if "state_dict" in checkpoint:
+        checkpoint["state_dict"] = gather_to_rank0(checkpoint["state_dict"], same_as=(tied or {}).get("state_dict"))
     if "optimizer_states" in checkpoint:
         checkpoint["optimizer_states"] = [gather_to_rank0(s) for s in checkpoint["optimizer_states"]]
     for key in sharded_entries(checkpoint):
-        checkpoint[key] = gather_to_rank0(checkpoint[key])
+        checkpoint[key] = gather_to_rank0(checkpoint[key], same_as=(tied or {}).get(key))
     on_rank0(lambda: checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options), "save")
 
 
@@ -176,7 +180,7 @@ def save_sharded(checkpoint: Mapping[str, Any], path: Path, *, background: Backg
     from torch.distributed.checkpoint import FileSystemWriter
 
     entries = sharded_entries(checkpoint)
-    tensors = {"state_dict": checkpoint["state_dict"]}
+    tensors = {"state_dict": checkpoint["state_dict"]} if "state_dict" in checkpoint else {}
     tensors.update({f"optimizer_{i}": s for i, s in enumerate(checkpoint.get("optimizer_states", []))})
     tensors.update({key: checkpoint[key] for key in entries})
     meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states", *entries)}
@@ -222,19 +226,52 @@ def has_entry(checkpoint: Mapping[str, Any], key: str) -> bool:
     return key in checkpoint
 
 
-def load_entry(module: nn.Module, checkpoint: Mapping[str, Any], key: str) -> None:
+def load_entry(
+    module: nn.Module,
+    checkpoint: Mapping[str, Any],
+    key: str,
+    *,
+    strict: bool = True,
+    initialized: Set[str] = frozenset(),
+) -> None:
     """Load the state dict saved under ``key`` (a full one, or shards in a sharded directory) into ``module``'s
     (sharded) tensors, each rank its slices, at any world size. A trainable-only checkpoint may leave out the
-    frozen parameters, as for the model's own state."""
-    may_be_missing = None
-    if checkpoint.get(FORMAT_KEY, {}).get("trainable_only"):
-        may_be_missing = {n for n, p in module.named_parameters() if not p.requires_grad}.__contains__
+    frozen parameters, as for the model's own state (see :func:`load_model` for ``initialized``)."""
+    may_be_missing = _trainable_only_exemption(module, checkpoint, initialized)
     directory = _sharded_dir(checkpoint)
     if directory is not None:
-        load_sharded_model(module, directory, key=key, may_be_missing=may_be_missing)
+        load_sharded_model(module, directory, key=key, strict=strict, may_be_missing=may_be_missing)
     else:
-        load_full_state_dict(module, checkpoint[key], may_be_missing=may_be_missing,
+        load_full_state_dict(module, checkpoint[key], strict=strict, may_be_missing=may_be_missing,
                              origin=f"{_origin(checkpoint)} ({key!r})")
+
+
+def load_optimizer_entry(module: nn.Module, optimizer: Optimizer, checkpoint: Mapping[str, Any], key: str) -> None:
+    """Load the optimizer state saved under ``key`` (index-keyed in a full checkpoint, shards in a sharded
+    directory) into ``optimizer``, whose parameters belong to ``module``, at any world size."""
+    directory = _sharded_dir(checkpoint)
+    if directory is not None:
+        load_sharded_optimizer(module, optimizer, directory, key)
+    else:
+        load_full_optimizer(module, optimizer, checkpoint[key])
+
+
+def _trainable_only_exemption(
+    module: nn.Module, checkpoint: Mapping[str, Any], initialized: Set[str]
+) -> Callable[[str], bool] | None:
+    """For a trainable-only checkpoint, which it leaves out (the frozen parameters, which ``load_pretrained`` must
+    have loaded already); a warning when some of those got random values instead."""
+    if not checkpoint.get(FORMAT_KEY, {}).get("trainable_only"):
+        return None
+    frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
+    at_random = sorted(frozen & set(initialized))
+    if at_random:
+        warnings.warn(
+            "This checkpoint holds only trainable parameters; the frozen ones keep the values they have now, and"
+            f" no load_pretrained call gave {len(at_random)} of them any ({listing(at_random)}): they are at"
+            " random. Call load_pretrained(...) where the model is built (configure_model, fabric.init_module)."
+        )
+    return frozen.__contains__
 
 
 def _swap(tmp: Path, path: Path) -> None:
@@ -461,18 +498,14 @@ def read_sharded_meta(path: Path, weights_only: bool = True) -> dict[str, Any]:
     return checkpoint
 
 
-def load_model(module: nn.Module, checkpoint: Mapping[str, Any], *, strict: bool = True) -> None:
-    """Load the model's weights from a checkpoint of either format into its shards, at any world size."""
-    frozen = {n for n, p in module.named_parameters() if not p.requires_grad}
-    may_be_missing = None
-    if checkpoint.get(FORMAT_KEY, {}).get("trainable_only"):
-        # A trainable-only checkpoint leaves out the frozen base, which load_pretrained must have loaded already.
-        may_be_missing = frozen.__contains__
-        if frozen and not has_pretrained(module):
-            warnings.warn(
-                "This checkpoint holds only trainable parameters; the frozen ones keep the values they have now, and"
-                " no load_pretrained call gave them any. Call load_pretrained(...) in configure_model."
-            )
+def load_model(
+    module: nn.Module, checkpoint: Mapping[str, Any], *, strict: bool = True, initialized: Set[str] = frozenset()
+) -> None:
+    """Load the model's weights from a checkpoint of either format into its shards, at any world size.
+
+    ``initialized``: names of the tensors that got random values when the model was built (not loaded): a
+    trainable-only checkpoint that leaves frozen ones among them out gets a warning."""
+    may_be_missing = _trainable_only_exemption(module, checkpoint, initialized)
     directory = _sharded_dir(checkpoint)
     if directory is not None:
         load_sharded_model(module, directory, strict=strict, may_be_missing=may_be_missing)
@@ -493,7 +526,7 @@ def load_optimizers(module: nn.Module, optimizers: Sequence[Optimizer], checkpoi
     for i, (optimizer, state) in enumerate(zip(optimizers, states)):
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
         if directory is not None:
-            load_sharded_optimizer(module, optimizer, directory, i)
+            load_sharded_optimizer(module, optimizer, directory, f"optimizer_{i}")
         else:
             load_full_optimizer(module, optimizer, state)
 
@@ -581,17 +614,17 @@ def load_sharded_model(
     set_model_state_dict(module, state, options=StateDictOptions(strict=False))
 
 
-def load_sharded_optimizer(module: nn.Module, optimizer: Optimizer, path: Path, index: int) -> None:
-    """Load the state of the ``index``-th optimizer from a sharded checkpoint, at any world size."""
+def load_sharded_optimizer(module: nn.Module, optimizer: Optimizer, path: Path, key: str) -> None:
+    """Load the optimizer state saved under ``key`` (``optimizer_<i>`` in a Lightning checkpoint) from a sharded
+    checkpoint, at any world size."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
 
     from lightning_fsdp2.checkpoint import safe_dcp
 
-    key = f"optimizer_{index}"
     metadata = check_sharded_files(path)
     if not any(k.startswith(f"{key}.") for k in metadata.state_dict_metadata):
         raise CheckpointFileError(
-            f"The checkpoint {path} holds no state for optimizer {index} (saved with `weights_only`?). Resume from a"
+            f"The checkpoint {path} holds no optimizer state {key!r} (saved with `weights_only`?). Resume from a"
             " checkpoint with optimizer state, or load only the weights."
         )
     state = get_optimizer_state_dict(module, optimizer)  # creates the (sharded) state tensors to load into

@@ -2,10 +2,11 @@
 
 from __future__ import annotations
 
-import itertools
 import warnings
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from collections.abc import Callable, Generator
+from contextlib import contextmanager
+from contextvars import ContextVar
+from dataclasses import dataclass
 from typing import Any
 
 from torch import nn
@@ -24,23 +25,57 @@ from lightning_fsdp2.checkpoint.plan import (
     run_plan,
 )
 from lightning_fsdp2.checkpoint.sources import ConvertedSource, PretrainedSource, TensorSource, open_source
-from lightning_fsdp2.init import materialized_later
-
-_PENDING = "_fsdp2_pretrained"  # on a meta-built module: the loads to run once it is sharded and materialized
-LOADED = "_fsdp2_pretrained_loaded"  # on a module whose weights load_pretrained has given
 
 
 @dataclass
 class _PendingLoad:
+    module: nn.Module
     source: PretrainedSource
     strict: bool
     adapters_only: bool = False
-    # Loads run in the order they were declared: a later one (saved adapters, after the base model's weights) may
-    # cover tensors an earlier one also wrote (peft's `modules_to_save` copies start as the base layer's weights).
-    order: int = field(default_factory=lambda: next(_declared))
 
 
-_declared = itertools.count()
+class DeferredLoads:
+    """The ``load_pretrained``/``load_adapter`` calls made on a ``meta``-built model, kept by the strategy that builds
+    it until its shards exist.
+
+    A strategy makes one and holds it; while the model is built (``configure_model``, ``fabric.init_module()``) it is
+    the current one (:meth:`collecting`), and the loads declared there are recorded in it, in order. After sharding,
+    :meth:`take` hands the strategy the loads into one model, planned against its names at that point.
+    """
+
+    def __init__(self) -> None:
+        self._loads: list[_PendingLoad] = []
+
+    @contextmanager
+    def collecting(self) -> Generator[None, None, None]:
+        """Record the loads declared while the block runs in this object."""
+        token = _current.set(self)
+        try:
+            yield
+        finally:
+            _current.reset(token)
+
+    def take(self, root: nn.Module) -> PendingPretrained:
+        """Remove and plan the loads declared on ``root`` or its submodules, in the order they were declared: a later
+        one (saved adapters, after the base model's weights) may cover tensors an earlier one also wrote (peft's
+        ``modules_to_save`` copies start as the base layer's weights)."""
+        prefixes = {id(sub): prefix for prefix, sub in root.named_modules()}
+        mine = [load for load in self._loads if id(load.module) in prefixes]
+        self._loads = [load for load in self._loads if id(load.module) not in prefixes]
+        loads: list[tuple[str, TensorSource, LoadPlan]] = []
+        for pending in mine:
+            source = open_source(pending.source)
+            source = source if pending.adapters_only else with_conversions(pending.module, source)
+            # Unexpected keys were warned about when load_pretrained was called; once is enough.
+            plan = check_pretrained(
+                pending.module, source, strict=pending.strict, warn=False, adapters_only=pending.adapters_only
+            )
+            loads.append((prefixes[id(pending.module)], source, plan))
+        return PendingPretrained(loads)
+
+
+_current: ContextVar[DeferredLoads | None] = ContextVar("lightning_fsdp2_deferred_loads", default=None)
 
 
 def load_pretrained(module: nn.Module, source: PretrainedSource, *, strict: bool = True) -> None:
@@ -81,16 +116,17 @@ def declare_load(module: nn.Module, source: PretrainedSource, *, strict: bool, a
     deferred = any(p.is_meta for p in module.parameters())
     plan = check_pretrained(module, opened, strict=strict, adapters_only=adapters_only, deferred=deferred)
     if deferred:
-        if not materialized_later():
+        collector = _current.get()
+        if collector is None:
             raise CheckpointFileError(
                 f"{type(module).__name__} is on the meta device, but nothing will materialize it and run the load"
                 " later: load_pretrained defers loads only in `configure_model` under FSDP2Strategy (with"
-                " meta_init=True). Build the model for real to load at once."
+                " meta_init=True), or under `fabric.init_module()` with lightning_fsdp2.fabric.FSDP2Strategy. Build"
+                " the model for real to load at once."
             )
-        module.__dict__.setdefault(_PENDING, []).append(_PendingLoad(source, strict, adapters_only))
+        collector._loads.append(_PendingLoad(module, source, strict, adapters_only))
         return
     run_plan(module, opened, plan)
-    module.__dict__[LOADED] = True
 
 
 def check_pretrained(
@@ -209,30 +245,4 @@ class PendingPretrained:
     def run(self, root: nn.Module) -> None:
         """Read each rank's slices into its materialized shards."""
         for prefix, source, plan in self.loads:
-            sub = root.get_submodule(prefix)
-            run_plan(sub, source, plan)
-            sub.__dict__.pop(_PENDING, None)
-            sub.__dict__[LOADED] = True
-
-
-def pending_pretrained(root: nn.Module) -> PendingPretrained:
-    """Collect and plan the loads that :func:`load_pretrained` deferred on ``root`` and its submodules."""
-    declared = [
-        (pending, prefix, sub)
-        for prefix, sub in root.named_modules()
-        # `__dict__`, not getattr: a PeftModel forwards unknown attributes to the model it wraps.
-        for pending in sub.__dict__.get(_PENDING, [])
-    ]
-    loads: list[tuple[str, Any, LoadPlan]] = []
-    for pending, prefix, sub in sorted(declared, key=lambda d: d[0].order):
-        source = open_source(pending.source)
-        source = source if pending.adapters_only else with_conversions(sub, source)
-        # Unexpected keys were warned about when load_pretrained was called; once is enough.
-        plan = check_pretrained(sub, source, strict=pending.strict, warn=False, adapters_only=pending.adapters_only)
-        loads.append((prefix, source, plan))
-    return PendingPretrained(loads)
-
-
-def has_pretrained(root: nn.Module) -> bool:
-    """Whether ``load_pretrained`` gave weights to ``root`` or one of its submodules."""
-    return any(sub.__dict__.get(LOADED, False) for sub in root.modules())
+            run_plan(root.get_submodule(prefix), source, plan)

@@ -126,9 +126,15 @@ def open_source(source: PretrainedSource) -> TensorSource:
 
 
 def _model_weights(obj: Mapping[str, Any]) -> Mapping[str, Any]:
-    """A Lightning checkpoint's ``state_dict``, or the mapping itself."""
-    is_lightning = isinstance(obj.get("state_dict"), Mapping) and "pytorch-lightning_version" in obj
-    return obj["state_dict"] if is_lightning else obj
+    """A Lightning checkpoint's ``state_dict``; a Fabric checkpoint's one module (``{"model": {name: tensor},
+    "optimizer": ..., "step": ...}``: the only entry that is a mapping of tensors, beside no tensor of its own); else
+    the mapping itself."""
+    if isinstance(obj.get("state_dict"), Mapping) and "pytorch-lightning_version" in obj:
+        return obj["state_dict"]
+    modules = [v for v in obj.values() if isinstance(v, Mapping) and v and all(isinstance(t, Tensor) for t in v.values())]
+    if len(modules) == 1 and not any(isinstance(v, Tensor) for v in obj.values()):
+        return modules[0]
+    return obj
 
 
 def _open_directory(path: Path) -> TensorSource:

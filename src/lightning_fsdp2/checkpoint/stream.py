@@ -58,13 +58,16 @@ def sharded_entries(checkpoint: Mapping[str, Any]) -> list[str]:
     return [k for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states") and holds(v)]
 
 
-def save_streamed(checkpoint: Mapping[str, Any], path: str | os.PathLike, same_as: Mapping[str, str] | None = None) -> None:
+def save_streamed(
+    checkpoint: Mapping[str, Any], path: str | os.PathLike, tied: Mapping[str, Mapping[str, str]] | None = None
+) -> None:
     """Write ``checkpoint`` to ``path`` as one ``torch.save`` file; call on every rank.
 
-    ``checkpoint["state_dict"]`` and ``checkpoint["optimizer_states"]`` may hold ``DTensor`` shards (the same
-    structure on every rank): each is gathered whole to rank 0 and written at once, one at a time. Everything else is
-    written from rank 0's dict. ``same_as`` maps ``state_dict`` keys of tied weights to the key they share a tensor
-    with: sent and written once, one storage in the file, as a single-device save has it.
+    ``checkpoint["state_dict"]``, ``checkpoint["optimizer_states"]`` and any other entry holding ``DTensor`` shards
+    (the same structure on every rank; a Fabric checkpoint's modules and optimizers) are gathered whole to rank 0 one
+    tensor at a time, each written at once. Everything else is written from rank 0's dict. ``tied`` maps an entry (a
+    model's state dict: ``"state_dict"``, or Fabric's ``"model"``) to its keys of tied weights and the key each shares a
+    tensor with: sent and written once, one storage in the file, as a single-device save has it.
 
     The file is written under a temporary name and renamed into place when complete. Refuses (on every rank, before
     any work) to replace anything at ``path`` that is not a previous checkpoint. A failure on rank 0 (a full disk)
@@ -86,8 +89,8 @@ def save_streamed(checkpoint: Mapping[str, Any], path: str | os.PathLike, same_a
     try:
         parts = {}
         for key, value in checkpoint.items():
-            if key == "state_dict" and isinstance(value, Mapping):
-                parts[key] = _stream_state_dict(value, writer, same_as or {})
+            if tied and key in tied and isinstance(value, Mapping):
+                parts[key] = _stream_state_dict(value, writer, tied[key])
             elif key in GATHERED_KEYS or key in entries:
                 parts[key] = _stream(value, writer)
             else:

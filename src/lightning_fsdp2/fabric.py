@@ -1,0 +1,504 @@
+"""``FSDP2Strategy`` for Lightning Fabric: the same sharding, initialization and checkpoints as the Trainer's strategy.
+
+``Fabric(strategy=FSDP2Strategy(), precision="bf16-true")`` (or ``strategy="fsdp2"`` after ``import lightning_fsdp2``)
+shards the model given to ``fabric.setup_module`` (or ``fabric.setup``). Build it under ``fabric.init_module()``: its
+parameters are then created on ``meta`` and each rank allocates only its shard, as the Trainer strategy does for
+``configure_model``; ``load_pretrained`` called there reads each rank's slices after sharding. Both strategies run
+the same code (:mod:`lightning_fsdp2.parallel`, :mod:`lightning_fsdp2.checkpoint`); this module only adapts it to
+Fabric's hooks.
+
+Checkpoints (``fabric.save``/``fabric.load``) hold what a single-device Fabric run holds: an entry per module (its
+state dict, clean names) and per optimizer (``torch.optim``'s index-keyed form in a full file), the other objects as
+they are. ``state_dict_type="full"`` writes one file, gathered tensor by tensor to rank 0, which a one-device
+``Fabric`` reads with ``fabric.load`` and ``load_pretrained`` reads into a Trainer's model; ``"sharded"`` writes a
+``torch.distributed.checkpoint`` directory, every rank its shards. Both load at any world size.
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Callable, Generator, Mapping
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import Any
+
+import torch
+from lightning.fabric.accelerators import Accelerator
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
+from lightning.fabric.strategies.parallel import ParallelStrategy
+from lightning.fabric.strategies.strategy import TBroadcast, _apply_filter, _BackwardSyncControl
+from lightning.fabric.utilities.distributed import (
+    ReduceOp,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.rank_zero import rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import _PATH, _Stateful
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.optim import Optimizer
+
+from lightning_fsdp2.checkpoint import formats
+from lightning_fsdp2.checkpoint.files import FORMAT_KEY, CheckpointFileError, load_torch_file
+from lightning_fsdp2.checkpoint.plan import tied_aliases
+from lightning_fsdp2.checkpoint.pretrained import DeferredLoads, load_pretrained
+from lightning_fsdp2.init import meta_init_context
+from lightning_fsdp2.parallel import (
+    Parallelized,
+    ShardingOptions,
+    check_not_rebuilt,
+    no_gradient_sync,
+    parallelize,
+    validate_external_launch,
+)
+from lightning_fsdp2.precision import FSDP2PrecisionType, PrecisionCore, clip_grad_norm_
+from lightning_fsdp2.strategy import StateDictType
+from lightning_fsdp2.wrap import ModulePolicy
+
+__all__ = ["FSDP2Precision", "FSDP2Strategy"]
+
+
+class FSDP2Precision(PrecisionCore, Precision):
+    """Fabric's precision plugin for :class:`FSDP2Strategy`: the same modes as the Trainer's
+    :class:`lightning_fsdp2.FSDP2Precision` (``"32-true"``, ``"bf16-true"``, ``"16-true"``, ``"bf16-mixed"``,
+    ``"16-mixed"``), with Fabric's backward and optimizer-step hooks.
+
+    The strategy swaps the plugin Fabric picked from ``Fabric(precision=...)`` for this one, so users normally never
+    construct it. ``*-true`` stores parameters in that dtype; ``*-mixed`` keeps them fp32 and FSDP2's
+    ``MixedPrecisionPolicy`` computes in the low dtype (no autocast). Under ``"16-mixed"`` the loss is scaled by a
+    ``ShardedGradScaler``, which ``fabric.clip_gradients`` and the optimizer step unscale.
+    """
+
+    def pre_backward(self, tensor: Tensor, module: nn.Module | None) -> Tensor:
+        """Scale the loss under ``"16-mixed"``."""
+        return self.scaler.scale(tensor) if self.scaler is not None else tensor
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Step; under ``"16-mixed"`` through the scaler, which skips steps whose gradients overflowed on any rank."""
+        if self.scaler is None:
+            return optimizer.step(**kwargs)
+        step_output = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return step_output
+
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Unscale the gradients before clipping under ``"16-mixed"``."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
+
+
+class FSDP2Strategy(ParallelStrategy):
+    """Fully Sharded Data Parallel with FSDP2 (``fully_shard``) for Lightning Fabric.
+
+    Takes the sharding and checkpoint arguments of the Trainer's :class:`lightning_fsdp2.FSDP2Strategy`, with the
+    same meaning: ``auto_wrap_policy``, ``activation_checkpointing_policy``, ``mixed_precision``,
+    ``reshard_after_forward``, ``cpu_offload``, ``meta_init`` (what ``fabric.init_module()`` does when
+    ``empty_init`` is not given), ``process_group_backend``, ``timeout``, ``state_dict_type`` and
+    ``save_trainable_only``. Not here: ``start_method`` (Fabric starts processes by re-running the script, or
+    runs under torchrun/SLURM) and ``async_save``.
+
+    Use::
+
+        fabric = L.Fabric(devices=2, strategy=FSDP2Strategy(), precision="bf16-true")
+        fabric.launch()
+        with fabric.init_module():  # parameters on meta: nothing allocated yet
+            model = AutoModelForCausalLM.from_config(config)
+            load_pretrained(model, "path/to/hf-model")  # read after sharding, each rank its slices
+            model = get_peft_model(model, LoraConfig(...))
+        model = fabric.setup_module(model)  # sharded, materialized, loaded
+        optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))
+    """
+
+    def __init__(
+        self,
+        *,
+        auto_wrap_policy: ModulePolicy | None = None,
+        activation_checkpointing_policy: ModulePolicy | None = None,
+        mixed_precision: MixedPrecisionPolicy | None = None,
+        reshard_after_forward: bool | int = True,
+        cpu_offload: bool | CPUOffloadPolicy = False,
+        meta_init: bool = True,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        state_dict_type: StateDictType = "full",
+        save_trainable_only: bool = False,
+        accelerator: Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        precision: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            precision=precision,
+        )
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}.")
+        self._sharding = ShardingOptions(
+            auto_wrap_policy=auto_wrap_policy,
+            activation_checkpointing_policy=activation_checkpointing_policy,
+            mixed_precision=mixed_precision,
+            reshard_after_forward=reshard_after_forward,
+            offload_policy=(
+                cpu_offload if isinstance(cpu_offload, OffloadPolicy) else (CPUOffloadPolicy() if cpu_offload else None)
+            ),
+        )
+        self._meta_init = meta_init
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._state_dict_type = state_dict_type
+        self._save_trainable_only = save_trainable_only
+        self._num_nodes = 1
+        self._device_mesh: DeviceMesh | None = None
+        self._deferred = DeferredLoads()  # load_pretrained calls made under init_module, run in setup_module
+        # The modules set up here, and what parallelize did to each (the names it initialized at random).
+        self._parallelized: weakref.WeakKeyDictionary[nn.Module, Parallelized] = weakref.WeakKeyDictionary()
+        self._backward_sync_control = _NoGradientSync()
+
+    # ---------------------------------------------------------------- Fabric plumbing: processes and devices
+    @property
+    def precision(self) -> FSDP2Precision:
+        """The :class:`FSDP2Precision` in use (Fabric's stock plugins are converted on assignment)."""
+        if not isinstance(self._precision, FSDP2Precision):
+            self._precision = FSDP2Precision()
+        return self._precision
+
+    @precision.setter
+    def precision(self, precision: Precision | None) -> None:
+        self._precision = _as_fsdp2_precision(precision)
+
+    @property
+    def checkpoint_io(self) -> CheckpointIO:
+        """Checkpoints are written by the strategy itself (streamed, atomic); a ``CheckpointIO`` plugin is not used."""
+        return TorchCheckpointIO()
+
+    @checkpoint_io.setter
+    def checkpoint_io(self, io: CheckpointIO | None) -> None:
+        if io is not None:
+            raise ValueError(
+                f"lightning_fsdp2.fabric.FSDP2Strategy writes its checkpoints itself and does not use a CheckpointIO"
+                f" plugin ({type(io).__name__}). Remove it from `Fabric(plugins=...)`."
+            )
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The 1-D mesh over all processes that parameters are sharded on."""
+        if self._device_mesh is None:
+            raise RuntimeError("The device mesh exists only after `fabric.launch()` has set up the processes.")
+        return self._device_mesh
+
+    @property
+    def root_device(self) -> torch.device:
+        """This process's device."""
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        """Nodes (machines) in the run."""
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        """Processes on this node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Each rank reads a different part of the data."""
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        """The backend of the default process group."""
+        return self._process_group_backend
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        if not self.cluster_environment.creates_processes_externally:
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    def setup_environment(self) -> None:
+        """Start the process group and build the device mesh (``fabric.launch()`` calls this on every rank)."""
+        validate_external_launch(
+            self.cluster_environment,
+            num_processes=self.num_processes,
+            num_nodes=self.num_nodes,
+            local_rank=self.local_rank,
+            node_rank=self.node_rank,
+        )
+        super().setup_environment()
+        reset_seed()
+        self._set_world_ranks()
+        self._sharding.check(self.world_size, self.root_device)
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        device_id = self.root_device if self.root_device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
+        )
+        self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("shard",))
+
+    def _set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+
+    # ---------------------------------------------------------------- the model's road
+    def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
+        """``fabric.init_module()``: parameters on ``meta`` (``empty_init`` not ``False`` and ``meta_init``), buffers
+        built for real, the storage dtype set, and ``load_pretrained`` deferred to :meth:`setup_module`. With
+        ``empty_init=False`` (or ``meta_init=False``) the model is built for real on the CPU and sharded afterwards."""
+        meta = self._meta_init if empty_init is None else empty_init
+        stack = ExitStack()
+        stack.enter_context(meta_init_context() if meta else nullcontext())
+        stack.enter_context(self._deferred.collecting())
+        stack.enter_context(self.precision.module_init_context())
+        return stack
+
+    def setup_module(self, module: nn.Module) -> nn.Module:
+        """Shard ``module`` in place and give each rank's shards their values (initialization by the model's own
+        rules, then the ``load_pretrained`` calls made under ``fabric.init_module()``); see
+        :func:`lightning_fsdp2.parallel.parallelize`."""
+        if module in self._parallelized:
+            check_not_rebuilt(module)
+            return module
+        self._parallelized[module] = parallelize(
+            module,
+            self.device_mesh,
+            options=self._sharding,
+            precision=self.precision,
+            device=self.root_device,
+            pretrained=self._deferred.take(module),
+            # Fabric does not say whether the model will be trained: it will if anything in it is trainable.
+            training=any(p.requires_grad for p in module.parameters()),
+            module_is_root=True,  # Fabric calls the module it was given
+        )
+        return module
+
+    def setup_module_and_optimizers(
+        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
+    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
+        """``fabric.setup(model, optimizer)``: shard the model, then point the optimizers (made over its unsharded
+        or ``meta`` parameters) at the sharded ones, by name. They must not have stepped yet."""
+        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
+        stepped = [type(o).__name__ for o in optimizers if o.state]
+        foreign = [type(o).__name__ for o in optimizers if any(id(p) not in names for g in o.param_groups for p in g["params"])]
+        if stepped or foreign:
+            raise ValueError(
+                f"fabric.setup(model, optimizer) with FSDP2Strategy re-points the optimizer at the sharded parameters,"
+                f" which needs an optimizer made over this model's parameters that has not stepped yet"
+                f" ({', '.join(stepped or foreign)} {'has state' if stepped else 'holds parameters of another model'})."
+                " Set the model up first and make the optimizer afterwards: `model = fabric.setup_module(model)`, then"
+                " `optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))`."
+            )
+        module = self.setup_module(module)
+        sharded = dict(module.named_parameters(remove_duplicate=False))
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [sharded[names[id(p)]] for p in group["params"]]
+        return module, [self.setup_optimizer(o) for o in optimizers], scheduler
+
+    def module_to_device(self, module: nn.Module) -> None:
+        """Nothing to do: ``fully_shard`` and materialization place every shard on its device."""
+
+    # ---------------------------------------------------------------- gradients
+    def clip_gradients_norm(
+        self,
+        module: nn.Module,
+        optimizer: Optimizer,
+        max_norm: float | int,
+        norm_type: float | int = 2.0,
+        error_if_nonfinite: bool = True,
+    ) -> Tensor:
+        """Clip by the norm of the *whole* gradient (all ranks' shards), without a host sync unless
+        ``error_if_nonfinite`` asks to check the norm."""
+        self.precision.unscale_gradients(optimizer)
+        return clip_grad_norm_(
+            self.precision.main_params(optimizer), max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
+        )
+
+    # ---------------------------------------------------------------- collectives
+    def all_reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
+        """Reduce a tensor over all processes (mean by default)."""
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Wait for all processes."""
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        """Send a picklable object from ``src`` to every process."""
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
+        return holder[0]
+
+    # ---------------------------------------------------------------- checkpoints
+    def save_checkpoint(
+        self,
+        path: _PATH,
+        state: dict[str, nn.Module | Optimizer | Any],
+        storage_options: Any | None = None,
+        filter: dict[str, Callable[[str, Any], bool]] | None = None,
+    ) -> None:
+        """``fabric.save``: modules and optimizers as shards, written as one file streamed by rank 0 (``"full"``) or a
+        directory from every rank (``"sharded"``), atomically; call on every rank."""
+        if storage_options is not None:
+            raise TypeError("lightning_fsdp2.fabric.FSDP2Strategy does not take `storage_options`: it uses no CheckpointIO.")
+        checkpoint: dict[str, Any] = {}
+        tied: dict[str, Mapping[str, str]] = {}
+        for key, obj in state.items():
+            if isinstance(obj, nn.Module):
+                value = formats.model_state(obj, trainable_only=self._save_trainable_only)
+                tied[key] = tied_aliases(obj, value)
+            elif isinstance(obj, Optimizer):
+                value = formats.optimizer_state(self._owner(obj, state), obj, sharded=self._sharded)
+            elif isinstance(obj, _Stateful):
+                value = obj.state_dict()
+            else:
+                value = obj
+            _apply_filter(key, filter or {}, value, checkpoint)
+        formats.save(
+            checkpoint,
+            self.broadcast(str(path)),  # every rank writes to rank 0's path
+            sharded=self._sharded,
+            trainable_only=self._save_trainable_only,
+            world_size=self.world_size,
+            checkpoint_io=self.checkpoint_io,
+            tied=tied,
+        )
+        self.barrier()
+
+    def load_checkpoint(
+        self,
+        path: _PATH,
+        state: nn.Module | Optimizer | dict[str, nn.Module | Optimizer | Any] | None = None,
+        strict: bool = True,
+        weights_only: bool | None = None,
+    ) -> dict[str, Any]:
+        """``fabric.load``: restore the modules, optimizers and objects in ``state`` from a checkpoint of either format,
+        at any world size (each rank reads its slices); return what ``state`` did not ask for. ``fabric.load_raw``
+        (a module or optimizer as ``state``) reads a plain state dict instead (see :meth:`load_raw`)."""
+        path = self.broadcast(str(path))
+        if isinstance(state, (nn.Module, Optimizer)):
+            self.load_raw(path, state, strict=strict, weights_only=weights_only)
+            return {}
+        checkpoint = formats.load(path, weights_only=weights_only, checkpoint_io=self.checkpoint_io)
+        if state is None:
+            if checkpoint.sharded:
+                raise ValueError(
+                    f"{path} is a sharded checkpoint: its tensors are read into the objects they belong to. Pass them:"
+                    " `fabric.load(path, {'model': model, 'optimizer': optimizer, ...})`, or convert it to one file"
+                    " with `lightning-fsdp2-convert`."
+                )
+            return dict(checkpoint)
+        saved = set(checkpoint) | set(checkpoint.get(FORMAT_KEY, {}).get("entries", []))
+        missing = [key for key in state if key not in saved]
+        if missing and strict:
+            raise KeyError(
+                f"The checkpoint {path} has no {missing} (it holds {sorted(k for k in saved if k != FORMAT_KEY)})."
+                " Load with `strict=False` to restore only what it holds."
+            )
+        for key, obj in state.items():
+            if key in missing:
+                continue
+            if isinstance(obj, nn.Module):
+                initialized = self._parallelized[obj].initialized if obj in self._parallelized else frozenset()
+                formats.load_entry(obj, checkpoint, key, strict=strict, initialized=initialized)
+            elif isinstance(obj, Optimizer):
+                formats.load_optimizer_entry(self._owner(obj, state), obj, checkpoint, key)
+            elif isinstance(obj, _Stateful):
+                obj.load_state_dict(checkpoint[key])
+            else:
+                state[key] = checkpoint[key]
+        return {k: v for k, v in checkpoint.items() if k not in state and k != FORMAT_KEY}
+
+    def load_raw(
+        self, path: _PATH, obj: nn.Module | Optimizer, strict: bool = True, weights_only: bool | None = None
+    ) -> None:
+        """``fabric.load_raw``: a module's weights from anything :func:`~lightning_fsdp2.load_pretrained` reads (a state
+        dict file, a Hugging Face directory, a Lightning or Fabric checkpoint), each rank its slices; or an optimizer's
+        state from a file holding ``optimizer.state_dict()`` (index-keyed)."""
+        path = self.broadcast(str(path))
+        if isinstance(obj, nn.Module):
+            load_pretrained(obj, path, strict=strict)  # the model is real (sharded) here: loaded at once
+            return
+        owners = [m for m in self._parallelized if _holds(m, obj)]
+        if not owners:
+            raise ValueError("Set up the model whose parameters the optimizer holds before loading the optimizer's state.")
+        formats.load_full_optimizer(owners[0], obj, load_torch_file(path, weights_only=weights_only is not False))
+
+    def _owner(self, optimizer: Optimizer, state: Mapping[str, Any]) -> nn.Module:
+        """The set-up module whose parameters ``optimizer`` holds (in ``state``, else any set up here)."""
+        candidates = [m for m in state.values() if isinstance(m, nn.Module)] + list(self._parallelized)
+        for module in candidates:
+            if _holds(module, optimizer):
+                return module
+        raise CheckpointFileError(
+            f"The {type(optimizer).__name__} in the checkpoint's state holds parameters of no model set up with"
+            " FSDP2Strategy. Put the model in the state too (`{'model': model, 'optimizer': optimizer}`), set up with"
+            " `fabric.setup_module(model)` before the optimizer is made."
+        )
+
+    @property
+    def _sharded(self) -> bool:
+        return self._state_dict_type == "sharded"
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register as ``"fsdp2"`` in Fabric's strategy registry."""
+        if "fsdp2" not in strategy_registry:
+            strategy_registry.register("fsdp2", cls, description="FSDP2 (fully_shard) from lightning-fsdp2")
+
+
+def _holds(module: nn.Module, optimizer: Optimizer) -> bool:
+    params = {id(p) for p in module.parameters()}
+    return any(id(p) in params for group in optimizer.param_groups for p in group["params"])
+
+
+class _NoGradientSync(_BackwardSyncControl):
+    """``fabric.no_backward_sync(model)``: micro-batches that only accumulate skip the gradient reduce-scatter."""
+
+    def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
+        return no_gradient_sync(module, enabled)
+
+
+def _as_fsdp2_precision(plugin: Precision | None) -> FSDP2Precision | None:
+    """Turn the stock plugin Fabric picked from ``Fabric(precision=...)`` into an :class:`FSDP2Precision`."""
+    if plugin is None or isinstance(plugin, FSDP2Precision):
+        return plugin
+    from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
+
+    if type(plugin) in (Precision, HalfPrecision, MixedPrecision, DoublePrecision):
+        return FSDP2Precision(plugin.precision)  # type: ignore[arg-type]  # validated by FSDP2Precision
+    raise TypeError(
+        f"lightning_fsdp2.fabric.FSDP2Strategy works with its FSDP2Precision, not {type(plugin).__name__}. Pass"
+        " `Fabric(precision=...)` with one of '32-true', 'bf16-true', '16-true', 'bf16-mixed', '16-mixed'."
+    )

@@ -1,0 +1,235 @@
+"""The model's road from a ``meta``-built module to initialized shards, with no front-end in it.
+
+Both strategies call these functions: :class:`lightning_fsdp2.FSDP2Strategy` (the ``Trainer``'s, from ``setup``) and
+:class:`lightning_fsdp2.fabric.FSDP2Strategy` (Fabric's, from ``setup_module``). Everything a step needs arrives as an
+argument and everything it finds out is returned; nothing is stored on the user's modules.
+
+:func:`parallelize` is the sequence, one concern per step:
+
+1. the precision plugin converts the module (``*-true``: parameters stored in bf16/fp16; on ``meta`` only metadata);
+2. tensors built for real are made the same on every rank (rank 0's), so shards of one tensor fit together;
+3. activation checkpointing on the chosen modules (``wrap.py``), before any FSDP hook exists;
+4. ``fully_shard`` bottom-up, then the roots (``wrap.py``);
+5. each rank materializes its own shards, initializes what no pretrained weights cover (``init.py``), loads the slices
+   of pretrained weights that ``load_pretrained`` declared (``checkpoint/pretrained.py``), derives what depends on
+   them (DoRA magnitudes), then checks nothing was left unset.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Generator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+
+from lightning_fsdp2.checkpoint.pretrained import PendingPretrained
+from lightning_fsdp2.init import (
+    check_initialized,
+    check_peft_supported,
+    initialize_from_loaded,
+    initialize_module,
+    materialize_module,
+    meta_tensor_names,
+)
+from lightning_fsdp2.wrap import ModulePolicy, apply_activation_checkpointing, no_kv_cache_in_training, shard_model
+
+
+class ModulePrecision(Protocol):
+    """What :func:`parallelize` needs of a precision plugin (both front-ends' ``FSDP2Precision`` have it)."""
+
+    mixed_precision_policy: MixedPrecisionPolicy
+
+    def convert_module(self, module: nn.Module) -> nn.Module: ...
+
+
+@dataclass(frozen=True)
+class ShardingOptions:
+    """How a model is sharded: the strategies' arguments of the same names (see :class:`~lightning_fsdp2.FSDP2Strategy`)."""
+
+    auto_wrap_policy: ModulePolicy | None = None
+    activation_checkpointing_policy: ModulePolicy | None = None
+    mixed_precision: MixedPrecisionPolicy | None = None
+    reshard_after_forward: bool | int = True
+    offload_policy: OffloadPolicy | None = None
+
+    def check(self, world_size: int, device: torch.device) -> None:
+        """Raise, on every rank alike, for options that cannot work at this world size or on this device."""
+        if self.offload_policy is not None and device.type == "cpu":
+            raise ValueError(
+                "FSDP2Strategy(cpu_offload=True) moves parameters from an accelerator to CPU memory, but this run is"
+                " already on the CPU. Remove `cpu_offload`, or train on GPUs (`accelerator='cuda'`)."
+            )
+        resharded = self.reshard_after_forward
+        if not isinstance(resharded, bool) and not (1 < resharded < world_size and world_size % resharded == 0):
+            raise ValueError(
+                f"FSDP2Strategy(reshard_after_forward={resharded}) at world size {world_size}: an int is the size"
+                f" of the groups parameters are resharded to after forward, a divisor of {world_size} other than 1"
+                f" and {world_size} (those are reshard_after_forward=False and True)."
+            )
+
+
+@dataclass
+class Parallelized:
+    """What :func:`parallelize` did to a model, for the strategy that called it."""
+
+    initialized: frozenset[str] = field(default_factory=frozenset)
+    """Names of the tensors that got their values from the init rules (materialized, not loaded): a checkpoint that
+    leaves them out (``save_trainable_only``) leaves them at random values."""
+
+
+def parallelize(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    *,
+    options: ShardingOptions,
+    precision: ModulePrecision,
+    device: torch.device,
+    pretrained: PendingPretrained,
+    training: bool,
+    module_is_root: bool = False,
+) -> Parallelized:
+    """Convert, checkpoint, shard, materialize and initialize ``module`` in place, on every rank.
+
+    ``pretrained``: the deferred ``load_pretrained``/``load_adapter`` calls to run once the shards exist (planned
+    before this call, so that a checkpoint that does not fit fails before anything is allocated). ``training``: the
+    model will be trained (peft methods that cannot be trained sharded are refused). ``module_is_root``: the front-end
+    calls ``module`` itself (Fabric), so it is the FSDP root; otherwise its children are (the Trainer's
+    ``LightningModule``, whose steps call ``self.model``; see :func:`wrap.shard_model`).
+    """
+    check_no_fsdp1(module)
+    check_built(module)
+    check_peft_supported(module, training=training)
+    module = precision.convert_module(module)
+    broadcast_real_tensors(module, device)
+    if options.activation_checkpointing_policy is not None:
+        checkpointed = apply_activation_checkpointing(module, options.activation_checkpointing_policy)
+        no_kv_cache_in_training(module, checkpointed)
+    shard_model(
+        module,
+        mesh,
+        options.auto_wrap_policy,
+        mp_policy=options.mixed_precision or precision.mixed_precision_policy,
+        offload_policy=options.offload_policy,
+        reshard_after_forward=options.reshard_after_forward,
+        model_is_root=module_is_root,
+    )
+    # Offloaded shards live in CPU memory; FSDP2 copies them to the device when it gathers them.
+    storage = torch.device("cpu") if options.offload_policy is not None else device
+    loaded = pretrained.covered
+    materialized = materialize_module(module, storage, buffer_device=device, to_load=loaded)
+    # Tensors that pretrained weights overwrite are neither initialized nor checked for the NaN sentinel: every
+    # element of their shards is copied from the file (or the load raises). At scale that saves minutes.
+    to_initialize = [name for name in materialized if name not in loaded]
+    initialize_module(module, to_initialize)
+    pretrained.run(module)
+    initialize_from_loaded(module, to_initialize)  # DoRA magnitudes: norms of the loaded base weights
+    check_initialized(module, to_initialize, device)
+    return Parallelized(initialized=frozenset(to_initialize))
+
+
+@torch.no_grad()
+def broadcast_real_tensors(module: nn.Module, device: torch.device) -> None:
+    """Give every rank rank 0's values of the tensors built for real (in ``__init__``, or with ``meta_init=False``),
+    as DDP does: ``fully_shard`` keeps each rank's own slice of its own tensor, so values that differ between ranks
+    (another seed, weights loaded on one rank) would end up stitched together. One tensor at a time, through the
+    device for backends that need it (NCCL). Meta tensors are left alone: they get their values after sharding."""
+    if not torch.distributed.is_initialized() or torch.distributed.get_world_size() == 1:
+        return
+    for tensor in [*module.parameters(), *module.buffers()]:
+        if tensor.is_meta:
+            continue
+        staged = tensor.data if tensor.device == device else tensor.data.to(device)
+        torch.distributed.broadcast(staged, src=0)
+        if staged is not tensor.data:
+            tensor.data.copy_(staged)
+
+
+@contextmanager
+def no_gradient_sync(module: nn.Module, enabled: bool = True) -> Generator[None, None, None]:
+    """Skip the gradient reduce-scatter of every FSDP group in ``module`` while the block runs (micro-batches that
+    only accumulate); the next backward outside it reduces the accumulated gradients."""
+    groups = [m for m in module.modules() if isinstance(m, FSDPModule)] if enabled else []
+    for group in groups:
+        group.set_requires_gradient_sync(False, recurse=False)
+    try:
+        yield
+    finally:
+        for group in groups:
+            group.set_requires_gradient_sync(True, recurse=False)
+
+
+def validate_external_launch(env: Any, *, num_processes: int, num_nodes: int, local_rank: int, node_rank: int) -> None:
+    """Processes started outside Lightning (torchrun, SLURM, any launcher) must be as many as ``devices *
+    num_nodes``: Lightning's launchers check that, but with no launcher nobody does, and a mismatch trains silently on
+    part of the data or fails in an index. Checked from each rank's own environment before any collective, so every
+    rank raises together."""
+    if env is None or not env.creates_processes_externally:
+        return
+    env.validate_settings(num_devices=num_processes, num_nodes=num_nodes)  # torchrun's and SLURM's own
+    expected = num_processes * num_nodes
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and int(world) != expected:
+        raise ValueError(
+            f"You set `devices={num_processes}` and `num_nodes={num_nodes}` in Lightning, but the product"
+            f" ({num_processes} * {num_nodes}) does not match the world size ({world}) of the processes"
+            " your launcher started. Set `devices` to the processes per node and `num_nodes` to the nodes."
+        )
+    if not 0 <= local_rank < num_processes:
+        raise ValueError(
+            f"This process has LOCAL_RANK={local_rank}, but `devices={num_processes}` in Lightning: set"
+            " `devices` to the number of processes the launcher starts per node."
+        )
+    # Right total, wrong split (2 nodes x 1 process launched, `devices=2, num_nodes=1`): only the processes
+    # whose own numbers are out of range can tell; the others then wait for them until `timeout`.
+    if not 0 <= node_rank < num_nodes:
+        raise ValueError(
+            f"This process has NODE_RANK={node_rank}, but `num_nodes={num_nodes}` in Lightning: set"
+            " `num_nodes` to the number of nodes and `devices` to the processes per node the launcher starts."
+        )
+    rank = os.environ.get("RANK")
+    if rank is not None and int(rank) != node_rank * num_processes + local_rank:
+        raise ValueError(
+            f"This process has RANK={rank}, but `devices={num_processes}` and `num_nodes={num_nodes}`"
+            f" in Lightning make it rank {node_rank * num_processes + local_rank} (NODE_RANK"
+            f" {node_rank} x {num_processes} + LOCAL_RANK {local_rank}): set `devices` to the"
+            " processes per node and `num_nodes` to the nodes the launcher starts."
+        )
+
+
+def check_no_fsdp1(module: nn.Module) -> None:
+    """Refuse modules wrapped in FSDP1's ``FullyShardedDataParallel``."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
+
+    wrapped = [name or "<root>" for name, m in module.named_modules() if isinstance(m, FullyShardedDataParallel)]
+    if wrapped:
+        raise TypeError(
+            f"Modules {wrapped} are wrapped in FSDP1's FullyShardedDataParallel. FSDP2Strategy shards the model"
+            " itself with FSDP2: build the plain modules (in `configure_model`, or under `fabric.init_module()`) and"
+            " remove the FullyShardedDataParallel wrapping."
+        )
+
+
+def check_built(module: nn.Module) -> None:
+    """Refuse a module without parameters (the network was never built)."""
+    if not any(True for _ in module.parameters()):
+        raise RuntimeError(
+            f"{type(module).__name__} has no parameters to shard. Build the network in `configure_model` (or"
+            " `__init__`) and assign it to an attribute, e.g. `self.model = AutoModelForCausalLM.from_config(...)`."
+        )
+
+
+def check_not_rebuilt(module: nn.Module) -> None:
+    """Refuse new layers built on ``meta`` into a model that is already sharded."""
+    rebuilt = meta_tensor_names(module)
+    if rebuilt:
+        raise RuntimeError(
+            f"`configure_model` built new layers on a model that is already sharded ({rebuilt[:5]}...). Lightning"
+            " calls it again for every `fit`/`validate`/`test`/`predict`; make it return early when the layers exist,"
+            " e.g. `if self.model is not None: return`."
+        )
