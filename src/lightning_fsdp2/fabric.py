@@ -17,10 +17,9 @@ they are. ``state_dict_type="full"`` writes one file, gathered tensor by tensor 
 from __future__ import annotations
 
 import weakref
-from collections.abc import Callable, Generator, Mapping
-from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from collections.abc import Callable, Mapping
+from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
-from pathlib import Path
 from typing import Any
 
 import torch
@@ -30,38 +29,20 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
-from lightning.fabric.strategies.strategy import TBroadcast, _apply_filter, _BackwardSyncControl
-from lightning.fabric.utilities.distributed import (
-    ReduceOp,
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.rank_zero import rank_zero_only
-from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, _Stateful
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.fabric.strategies.strategy import _apply_filter, _BackwardSyncControl
+from lightning.fabric.utilities.types import _PATH, ReduceOp, _Stateful
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.optim import Optimizer
 
+from lightning_fsdp2._processes import ProcessesMixin
 from lightning_fsdp2.checkpoint import formats
 from lightning_fsdp2.checkpoint.files import FORMAT_KEY, CheckpointFileError, load_torch_file
 from lightning_fsdp2.checkpoint.plan import tied_aliases
-from lightning_fsdp2.checkpoint.pretrained import DeferredLoads, load_pretrained
+from lightning_fsdp2.checkpoint.pretrained import load_pretrained
 from lightning_fsdp2.init import meta_init_context
-from lightning_fsdp2.parallel import (
-    Parallelized,
-    ShardingOptions,
-    check_not_rebuilt,
-    no_gradient_sync,
-    parallelize,
-    validate_external_launch,
-)
-from lightning_fsdp2.precision import FSDP2PrecisionType, PrecisionCore, clip_grad_norm_
+from lightning_fsdp2.parallel import Parallelized, ShardingOptions, check_not_rebuilt, no_gradient_sync, parallelize
+from lightning_fsdp2.precision import PrecisionCore, clip_grad_norm_, convert_stock_precision
 from lightning_fsdp2.strategy import StateDictType
 from lightning_fsdp2.wrap import ModulePolicy
 
@@ -97,7 +78,7 @@ class FSDP2Precision(PrecisionCore, Precision):
             self.scaler.unscale_(optimizer)
 
 
-class FSDP2Strategy(ParallelStrategy):
+class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
     """Fully Sharded Data Parallel with FSDP2 (``fully_shard``) for Lightning Fabric.
 
     Takes the sharding and checkpoint arguments of the Trainer's :class:`lightning_fsdp2.FSDP2Strategy`, with the
@@ -143,25 +124,21 @@ class FSDP2Strategy(ParallelStrategy):
             cluster_environment=cluster_environment,
             precision=precision,
         )
-        if state_dict_type not in ("full", "sharded"):
-            raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}.")
-        self._sharding = ShardingOptions(
-            auto_wrap_policy=auto_wrap_policy,
-            activation_checkpointing_policy=activation_checkpointing_policy,
-            mixed_precision=mixed_precision,
-            reshard_after_forward=reshard_after_forward,
-            offload_policy=(
-                cpu_offload if isinstance(cpu_offload, OffloadPolicy) else (CPUOffloadPolicy() if cpu_offload else None)
+        self._set_options(
+            sharding=ShardingOptions.from_arguments(
+                auto_wrap_policy=auto_wrap_policy,
+                activation_checkpointing_policy=activation_checkpointing_policy,
+                mixed_precision=mixed_precision,
+                reshard_after_forward=reshard_after_forward,
+                cpu_offload=cpu_offload,
             ),
+            meta_init=meta_init,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            state_dict_type=state_dict_type,
+            save_trainable_only=save_trainable_only,
         )
-        self._meta_init = meta_init
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._state_dict_type = state_dict_type
-        self._save_trainable_only = save_trainable_only
         self._num_nodes = 1
-        self._device_mesh: DeviceMesh | None = None
-        self._deferred = DeferredLoads()  # load_pretrained calls made under init_module, run in setup_module
         # The modules set up here, and what parallelize did to each (the names it initialized at random).
         self._parallelized: weakref.WeakKeyDictionary[nn.Module, Parallelized] = weakref.WeakKeyDictionary()
         self._backward_sync_control = _NoGradientSync()
@@ -192,19 +169,6 @@ class FSDP2Strategy(ParallelStrategy):
             )
 
     @property
-    def device_mesh(self) -> DeviceMesh:
-        """The 1-D mesh over all processes that parameters are sharded on."""
-        if self._device_mesh is None:
-            raise RuntimeError("The device mesh exists only after `fabric.launch()` has set up the processes.")
-        return self._device_mesh
-
-    @property
-    def root_device(self) -> torch.device:
-        """This process's device."""
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
     def num_nodes(self) -> int:
         """Nodes (machines) in the run."""
         return self._num_nodes
@@ -213,21 +177,6 @@ class FSDP2Strategy(ParallelStrategy):
     def num_nodes(self, num_nodes: int) -> None:
         self._num_nodes = num_nodes
 
-    @property
-    def num_processes(self) -> int:
-        """Processes on this node."""
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Each rank reads a different part of the data."""
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        """The backend of the default process group."""
-        return self._process_group_backend
-
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         if not self.cluster_environment.creates_processes_externally:
@@ -235,32 +184,7 @@ class FSDP2Strategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         """Start the process group and build the device mesh (``fabric.launch()`` calls this on every rank)."""
-        validate_external_launch(
-            self.cluster_environment,
-            num_processes=self.num_processes,
-            num_nodes=self.num_nodes,
-            local_rank=self.local_rank,
-            node_rank=self.node_rank,
-        )
-        super().setup_environment()
-        reset_seed()
-        self._set_world_ranks()
-        self._sharding.check(self.world_size, self.root_device)
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-        )
-        self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("shard",))
-
-    def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        self._start_processes()
 
     # ---------------------------------------------------------------- the model's road
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:
@@ -339,26 +263,7 @@ class FSDP2Strategy(ParallelStrategy):
     # ---------------------------------------------------------------- collectives
     def all_reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         """Reduce a tensor over all processes (mean by default)."""
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
-
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        """Wait for all processes."""
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
-
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        """Send a picklable object from ``src`` to every process."""
-        if not _distributed_is_initialized():
-            return obj
-        holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
-        return holder[0]
+        return self._reduce(tensor, group, reduce_op)
 
     # ---------------------------------------------------------------- checkpoints
     def save_checkpoint(
@@ -467,10 +372,6 @@ class FSDP2Strategy(ParallelStrategy):
             " `fabric.setup_module(model)` before the optimizer is made."
         )
 
-    @property
-    def _sharded(self) -> bool:
-        return self._state_dict_type == "sharded"
-
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register as ``"fsdp2"`` in Fabric's strategy registry."""
@@ -492,13 +393,7 @@ class _NoGradientSync(_BackwardSyncControl):
 
 def _as_fsdp2_precision(plugin: Precision | None) -> FSDP2Precision | None:
     """Turn the stock plugin Fabric picked from ``Fabric(precision=...)`` into an :class:`FSDP2Precision`."""
-    if plugin is None or isinstance(plugin, FSDP2Precision):
-        return plugin
     from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
 
-    if type(plugin) in (Precision, HalfPrecision, MixedPrecision, DoublePrecision):
-        return FSDP2Precision(plugin.precision)  # type: ignore[arg-type]  # validated by FSDP2Precision
-    raise TypeError(
-        f"lightning_fsdp2.fabric.FSDP2Strategy works with its FSDP2Precision, not {type(plugin).__name__}. Pass"
-        " `Fabric(precision=...)` with one of '32-true', 'bf16-true', '16-true', 'bf16-mixed', '16-mixed'."
-    )
+    stock = (Precision, HalfPrecision, MixedPrecision, DoublePrecision)
+    return convert_stock_precision(plugin, FSDP2Precision, stock, "lightning_fsdp2.fabric.FSDP2Strategy", "Fabric")

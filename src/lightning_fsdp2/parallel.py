@@ -26,7 +26,7 @@ from typing import Any, Protocol
 import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
 from lightning_fsdp2.checkpoint.pretrained import PendingPretrained
 from lightning_fsdp2.init import (
@@ -57,6 +57,20 @@ class ShardingOptions:
     mixed_precision: MixedPrecisionPolicy | None = None
     reshard_after_forward: bool | int = True
     offload_policy: OffloadPolicy | None = None
+
+    @classmethod
+    def from_arguments(
+        cls,
+        *,
+        auto_wrap_policy: ModulePolicy | None,
+        activation_checkpointing_policy: ModulePolicy | None,
+        mixed_precision: MixedPrecisionPolicy | None,
+        reshard_after_forward: bool | int,
+        cpu_offload: bool | OffloadPolicy,
+    ) -> ShardingOptions:
+        """The options from a strategy's arguments (``cpu_offload=True`` is FSDP2's ``CPUOffloadPolicy()``)."""
+        offload = cpu_offload if isinstance(cpu_offload, OffloadPolicy) else (CPUOffloadPolicy() if cpu_offload else None)
+        return cls(auto_wrap_policy, activation_checkpointing_policy, mixed_precision, reshard_after_forward, offload)
 
     def check(self, world_size: int, device: torch.device) -> None:
         """Raise, on every rank alike, for options that cannot work at this world size or on this device."""

@@ -207,3 +207,17 @@ def clip_grad_norm_(
     with implicit_replication():
         torch._foreach_mul_(grads, clip_coef)
     return total_norm
+
+
+def convert_stock_precision(plugin: Any, target: type, stock: tuple[type, ...], strategy: str, front_end: str) -> Any:
+    """The plugin a front-end picked from ``precision=...`` as ``target`` (its ``FSDP2Precision``): Lightning's stock
+    plugins (``stock``) become ``target(plugin.precision)`` (which validates the value); ``target`` instances and
+    ``None`` stay; anything else is refused, naming the choices."""
+    if plugin is None or isinstance(plugin, target):
+        return plugin
+    if type(plugin) in stock:
+        return target(plugin.precision)
+    raise TypeError(
+        f"{strategy} works with FSDP2Precision, not {type(plugin).__name__}. Pass `{front_end}(precision=...)` with one"
+        " of '32-true', 'bf16-true', '16-true', 'bf16-mixed', '16-mixed', or an FSDP2Precision plugin."
+    )

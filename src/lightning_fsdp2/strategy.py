@@ -27,14 +27,6 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _init_dist_connection,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.accelerators import Accelerator
 from lightning.pytorch.plugins.precision import Precision
@@ -42,18 +34,16 @@ from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _Su
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
-from lightning.pytorch.utilities.rank_zero import rank_zero_only, rank_zero_warn
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from torch.optim import Optimizer
 
+from lightning_fsdp2._processes import ProcessesMixin
 from lightning_fsdp2.checkpoint import formats as ckpt
 from lightning_fsdp2.checkpoint.files import remove as remove_checkpoint
 from lightning_fsdp2.checkpoint.plan import tied_aliases
 from lightning_fsdp2.checkpoint.stream import sharded_entries
-from lightning_fsdp2.checkpoint.pretrained import DeferredLoads
 from lightning_fsdp2.init import meta_init_context
 from lightning_fsdp2.parallel import (
     Parallelized,
@@ -61,9 +51,8 @@ from lightning_fsdp2.parallel import (
     check_not_rebuilt,
     no_gradient_sync,
     parallelize,
-    validate_external_launch,
 )
-from lightning_fsdp2.precision import FSDP2Precision
+from lightning_fsdp2.precision import FSDP2Precision, convert_stock_precision
 from lightning_fsdp2.wrap import ModulePolicy
 
 if TYPE_CHECKING:
@@ -74,7 +63,7 @@ StateDictType = Literal["full", "sharded"]
 """How checkpoints are saved: one file from rank 0, or a directory of every rank's shards."""
 
 
-class FSDP2Strategy(ParallelStrategy):
+class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
     """Fully Sharded Data Parallel with PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``).
 
     The user's ``LightningModule`` builds its network in ``configure_model``; the strategy builds it on ``meta``,
@@ -146,36 +135,32 @@ class FSDP2Strategy(ParallelStrategy):
         )
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
-        self._sharding = ShardingOptions(
-            auto_wrap_policy=auto_wrap_policy,
-            activation_checkpointing_policy=activation_checkpointing_policy,
-            mixed_precision=mixed_precision,
-            reshard_after_forward=reshard_after_forward,
-            offload_policy=(
-                cpu_offload if isinstance(cpu_offload, OffloadPolicy) else (CPUOffloadPolicy() if cpu_offload else None)
+        self._set_options(
+            sharding=ShardingOptions.from_arguments(
+                auto_wrap_policy=auto_wrap_policy,
+                activation_checkpointing_policy=activation_checkpointing_policy,
+                mixed_precision=mixed_precision,
+                reshard_after_forward=reshard_after_forward,
+                cpu_offload=cpu_offload,
             ),
+            meta_init=meta_init,
+            process_group_backend=process_group_backend,
+            timeout=timeout,
+            state_dict_type=state_dict_type,
+            save_trainable_only=save_trainable_only,
         )
-        self._meta_init = meta_init
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        if state_dict_type not in ("full", "sharded"):
-            raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}.")
         if async_save and state_dict_type != "sharded":
             raise ValueError(
                 "FSDP2Strategy(async_save=True) writes sharded checkpoints in the background; a full checkpoint is"
                 " gathered to rank 0 while it is written. Pass state_dict_type='sharded' as well, or drop async_save."
             )
         self._start_method = start_method
-        self._state_dict_type = state_dict_type
-        self._save_trainable_only = save_trainable_only
         self._async_save = async_save
         self._background: ckpt.BackgroundWriter | None = None  # made in setup_environment (it makes a process group)
         self._failed = False  # an exception ended the run: teardown must not wait for the other ranks
-        self._deferred = DeferredLoads()  # load_pretrained calls made in configure_model, run after sharding
         self._parallelized: Parallelized | None = None  # what parallelize did to the LightningModule
         self._parallelized_module: weakref.ref[nn.Module] | None = None  # ... and to which module
         self._torn_down = False
-        self._device_mesh: DeviceMesh | None = None
         self.num_nodes = 1
 
     # ---------------------------------------------------------------- Lightning plumbing: processes and devices
@@ -191,37 +176,9 @@ class FSDP2Strategy(ParallelStrategy):
         self._precision_plugin = _as_fsdp2_precision(plugin)
 
     @property
-    def device_mesh(self) -> DeviceMesh:
-        """The 1-D mesh over all processes that parameters are sharded on."""
-        if self._device_mesh is None:
-            raise RuntimeError("The device mesh exists only after the processes have been set up (in `fit`).")
-        return self._device_mesh
-
-    @property
-    def root_device(self) -> torch.device:
-        """This process's device."""
-        assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
-
-    @property
-    def num_processes(self) -> int:
-        """Processes on this node."""
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Each rank reads a different part of the data."""
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
     def is_distributed(self) -> bool:
         """Tells Lightning to add a ``DistributedSampler`` and sync logged metrics (it only knows its own strategies)."""
         return True
-
-    @property
-    def process_group_backend(self) -> str | None:
-        """The backend of the default process group."""
-        return self._process_group_backend
 
     @property
     def restore_checkpoint_after_setup(self) -> bool:
@@ -238,27 +195,8 @@ class FSDP2Strategy(ParallelStrategy):
 
     def setup_environment(self) -> None:
         """Start the process group and build the device mesh."""
-        validate_external_launch(
-            self.cluster_environment,
-            num_processes=self.num_processes,
-            num_nodes=self.num_nodes,
-            local_rank=self.local_rank,
-            node_rank=self.node_rank,
-        )
         self._refuse_unsupported_callbacks()
-        super().setup_environment()
-        reset_seed()
-        self.set_world_ranks()
-        self._sharding.check(self.world_size, self.root_device)
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        assert self.cluster_environment is not None
-        device_id = self.root_device if self.root_device.type != "cpu" else None
-        _init_dist_connection(
-            self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id
-        )
-        self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("shard",))
+        self._start_processes()
         if self._async_save and self._background is None:
             self._background = ckpt.BackgroundWriter()
         assert self.lightning_module is not None
@@ -282,13 +220,6 @@ class FSDP2Strategy(ParallelStrategy):
                 " sharded model cannot be (and every rank would hold a whole copy). Use the class of that name in"
                 " lightning_fsdp2.averaging (same arguments), which keeps the averaged copy sharded like the model."
             )
-
-    def set_world_ranks(self) -> None:
-        """Tell the cluster environment and ``rank_zero_only`` this process's global rank."""
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
 
     # ---------------------------------------------------------------- the model's road
     @contextmanager
@@ -370,30 +301,11 @@ class FSDP2Strategy(ParallelStrategy):
             yield
 
     # ---------------------------------------------------------------- collectives
-    def barrier(self, name: str | None = None) -> None:
-        """Wait for all processes."""
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
-
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        """Send a picklable object from ``src`` to every process."""
-        if not _distributed_is_initialized():
-            return obj
-        holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
-        return holder[0]
-
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
         """Reduce a tensor over all processes (mean by default), e.g. for ``self.log(..., sync_dist=True)``."""
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return self._reduce(tensor, group, reduce_op)
 
     def on_exception(self, exception: BaseException) -> None:
         """After an error, teardown does not wait for a background save: the other ranks may never finish it."""
@@ -498,10 +410,6 @@ class FSDP2Strategy(ParallelStrategy):
         assert self.model is not None
         ckpt.load_optimizers(self.model, self.optimizers, checkpoint)
 
-    @property
-    def _sharded(self) -> bool:
-        return self._state_dict_type == "sharded"
-
     @classmethod
     def register_strategies(cls, strategy_registry: Any) -> None:
         """Register as ``"fsdp2"`` in Lightning's ``StrategyRegistry``."""
@@ -584,13 +492,7 @@ def _load_trained_in_main_process(module: pl.LightningModule, state: dict[str, A
 
 def _as_fsdp2_precision(plugin: Precision | None) -> FSDP2Precision | None:
     """Turn the stock plugin Lightning picked from ``Trainer(precision=...)`` into an :class:`FSDP2Precision`."""
-    if plugin is None or isinstance(plugin, FSDP2Precision):
-        return plugin
     from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
 
-    if type(plugin) in (Precision, HalfPrecision, MixedPrecision, DoublePrecision):
-        return FSDP2Precision(plugin.precision)  # type: ignore[arg-type]  # FSDP2Precision validates the value
-    raise TypeError(
-        f"FSDP2Strategy works with FSDP2Precision, not {type(plugin).__name__}. Pass `Trainer(precision=...)` with one"
-        " of '32-true', 'bf16-true', '16-true', 'bf16-mixed', '16-mixed', or an FSDP2Precision plugin."
-    )
+    stock = (Precision, HalfPrecision, MixedPrecision, DoublePrecision)
+    return convert_stock_precision(plugin, FSDP2Precision, stock, "FSDP2Strategy", "Trainer")
