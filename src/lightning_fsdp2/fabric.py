@@ -57,7 +57,8 @@ class FSDP2Precision(PrecisionCore, Precision):
     The strategy swaps the plugin Fabric picked from ``Fabric(precision=...)`` for this one, so users normally never
     construct it. ``*-true`` stores parameters in that dtype; ``*-mixed`` keeps them fp32 and FSDP2's
     ``MixedPrecisionPolicy`` computes in the low dtype (no autocast). Under ``"16-mixed"`` the loss is scaled by a
-    ``ShardedGradScaler``, which ``fabric.clip_gradients`` and the optimizer step unscale.
+    ``ShardedGradScaler``, which ``fabric.clip_gradients`` and the optimizer step unscale. ``adapter_dtype``: as for
+    the Trainer's plugin, peft's adapters are stored in fp32 on a ``*-true`` base by default.
     """
 
     def pre_backward(self, tensor: Tensor, module: nn.Module | None) -> Tensor:

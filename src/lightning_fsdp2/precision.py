@@ -44,7 +44,12 @@ class PrecisionCore:
     the contexts. The Trainer's (:class:`FSDP2Precision`) and Fabric's (:class:`lightning_fsdp2.fabric.FSDP2Precision`)
     add their front-end's backward and optimizer-step hooks."""
 
-    def __init__(self, precision: FSDP2PrecisionType = "32-true", scaler: Any | None = None) -> None:
+    def __init__(
+        self,
+        precision: FSDP2PrecisionType = "32-true",
+        scaler: Any | None = None,
+        adapter_dtype: torch.dtype | None = torch.float32,
+    ) -> None:
         supported = get_args(FSDP2PrecisionType)
         if precision not in supported:
             raise ValueError(
@@ -52,8 +57,11 @@ class PrecisionCore:
             )
         if scaler is not None and precision != "16-mixed":
             raise ValueError(f"A gradient scaler is only used with precision='16-mixed', not {precision!r}.")
+        if adapter_dtype is not None and not adapter_dtype.is_floating_point:
+            raise ValueError(f"adapter_dtype must be a floating dtype (or None), got {adapter_dtype}.")
         self.precision = cast(FSDP2PrecisionType, precision)
         self._low_dtype = _LOW_DTYPE.get(precision)
+        self.adapter_dtype = adapter_dtype
         if precision == "16-mixed" and scaler is None:
             # fp16 gradients overflow; the sharded scaler all-reduces its inf check so every rank skips together.
             from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
@@ -83,12 +91,15 @@ class PrecisionCore:
         return MixedPrecisionPolicy()
 
     def convert_module(self, module: Module) -> Module:
-        """Store parameters (and floating buffers) in the low dtype for ``*-true``; leave them otherwise.
+        """Store parameters (and floating buffers) in the low dtype for ``*-true``, peft's adapters in
+        ``adapter_dtype``; leave them otherwise.
 
         Called before sharding, so on a meta-built model this only changes metadata and no memory is touched.
         """
         if self.is_true_precision:
-            return module.to(dtype=self._low_dtype)
+            module = module.to(dtype=self._low_dtype)
+            if self.adapter_dtype is not None and self.adapter_dtype != self._low_dtype:
+                _cast_adapters(module, self.adapter_dtype)
         return module
 
     def tensor_init_context(self) -> AbstractContextManager:
@@ -131,6 +142,20 @@ class PrecisionCore:
             self.scaler.load_state_dict(state_dict)
 
 
+def _cast_adapters(module: Module, dtype: torch.dtype) -> None:
+    """Store the floating tensors peft added to ``module`` (adapters, ``modules_to_save`` copies, prompt encoders) in
+    ``dtype``, as peft's own ``autocast_adapter_dtype=True`` does: a low-rank update applied in bf16 loses the small
+    steps. FSDP2 gathers each tensor in its own dtype, so a group may hold a bf16 base and fp32 adapters. peft casts
+    an adapter's input to the adapter's dtype and its output back, so the forward needs nothing else."""
+    from lightning_fsdp2.checkpoint.plan import adapter_tensors
+
+    names = adapter_tensors(module)
+    with torch.no_grad():
+        for name, param in module.named_parameters():
+            if name in names and param.is_floating_point():
+                param.data = param.data.to(dtype)
+
+
 class FSDP2Precision(PrecisionCore, Precision):
     """Precision plugin for :class:`~lightning_fsdp2.FSDP2Strategy`.
 
@@ -142,6 +167,9 @@ class FSDP2Precision(PrecisionCore, Precision):
         precision: one of ``"32-true"``, ``"bf16-true"``, ``"16-true"``, ``"bf16-mixed"``, ``"16-mixed"``.
         scaler: gradient scaler for ``"16-mixed"``; defaults to FSDP's ``ShardedGradScaler``, which agrees on
             "found inf" across ranks (each rank sees only its shard of the gradients).
+        adapter_dtype: under ``"bf16-true"``/``"16-true"``, the dtype peft's adapters (and ``modules_to_save``, prompt
+            encoders) are stored, trained and optimized in, while the base is stored in the low dtype. Default fp32,
+            as peft's own ``autocast_adapter_dtype=True``; ``None`` stores them in the low dtype too.
 
     Like Lightning's own plugins it has ``precision``, ``scaler`` (``None`` but for ``"16-mixed"``) and ``device``
     (``"cuda"`` where CUDA is available, else ``"cpu"``).
