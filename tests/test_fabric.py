@@ -192,7 +192,7 @@ def _run(fabric: L.Fabric, model: Any, optimizer: Any, scheduler: Any, state: di
 
 
 def _resumable(base: str, adapter: str, steps: int, state_dict_type: str = "full", save_at: int | None = None,
-               save_to: str | None = None, resume_from: str | None = None) -> dict:
+               save_to: str | None = None, resume_from: str | None = None, evaluate_first: bool = False) -> dict:
     from lightning_fsdp2.fabric import FSDP2Strategy
 
     fabric = L.Fabric(accelerator="cpu", devices=world(), strategy=FSDP2Strategy(state_dict_type=state_dict_type))
@@ -202,6 +202,9 @@ def _resumable(base: str, adapter: str, steps: int, state_dict_type: str = "full
     optimizer = fabric.setup_optimizers(optimizer)
     state = {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": 0}
     remainder = {}
+    if evaluate_first:  # a no-grad forward leaves the root's parameters unsharded until the next forward
+        with torch.no_grad():
+            model(input_ids=TokenDataset(2).data)
     if resume_from is not None:
         remainder = fabric.load(resume_from, state)
     result = _run(fabric, model, optimizer, scheduler, state, steps, save_at, save_to)
@@ -247,6 +250,16 @@ def test_fabric_save_and_resume_at_any_world_size(
         assert rank["remainder"] == []  # everything saved was asked for
     # Resuming is not a no-op: the run that stopped at 2 steps is elsewhere.
     assert max((first["state"][k] - straight["state"][k]).abs().max().item() for k in straight["state"]) > 1e-4
+
+
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_a_checkpoint_loads_after_an_evaluation(start: tuple[str, str], tmp_path: Path, state_dict_type: str) -> None:
+    """`fabric.load` right after a no-grad forward (which leaves the root's parameters unsharded) resumes exactly."""
+    ckpt = str(tmp_path / ("ckpt" if state_dict_type == "sharded" else "ckpt.pt"))
+    straight = run_distributed(_resumable, 2, *start, 4, state_dict_type)[0]
+    run_distributed(_resumable, 2, *start, 2, state_dict_type, 2, ckpt)
+    resumed = run_distributed(_resumable, 2, *start, 4, state_dict_type, None, None, ckpt, True)[0]
+    _assert_same_run(resumed, straight, f"{state_dict_type}, loaded after an evaluation")
 
 
 def test_a_full_fabric_checkpoint_resumes_in_single_device_fabric(start: tuple[str, str], tmp_path: Path) -> None:
@@ -393,6 +406,8 @@ def _fabric_error(case: str, path: str) -> str:
         if case == "missing_key":
             fabric.save(path, {"model": model})
             fabric.load(path, {"model": model, "step": 0})
+        if case == "unset_optimizer":
+            fabric.setup_optimizers(torch.optim.SGD(torch.nn.Linear(2, 2).parameters(), lr=0.1))
         if case == "foreign_optimizer":
             other = torch.nn.Linear(2, 2)
             fabric.save(path, {"model": model, "optimizer": torch.optim.SGD(other.parameters(), lr=0.1)})
@@ -408,6 +423,7 @@ def _fabric_error(case: str, path: str) -> str:
         ("stepped", r"ValueError: .*re-points the optimizer at the sharded parameters.* has state.*setup_module\(model\)"),
         ("sharded_without_state", r"ValueError: .* is a sharded checkpoint: .*fabric.load\(path, \{'model': model"),
         ("missing_key", r"KeyError: .*has no \['step'\].*strict=False"),
+        ("unset_optimizer", r"ValueError: The SGD holds 2 parameter\(s\) of no model set up with FSDP2Strategy"),
         ("foreign_optimizer", r"CheckpointFileError: The SGD in the checkpoint's state holds parameters of no model set up"),
     ],
 )
@@ -459,3 +475,81 @@ def test_load_raw_reads_plain_model_and_optimizer_state_dicts(start: tuple[str, 
     _single_device_steps(*start, str(tmp_path), 1)
     for rank in run_distributed(_sharded_from_raw, 2, *start, str(tmp_path), 3):
         _assert_same_run(rank, straight, "load_raw of plain state dicts")
+
+
+# --------------------------------------------------------------------------- optimizers made at other moments
+def _optimizer_moments(case: str) -> dict:
+    """A tiny Llama trained 2 steps at lr 0.5 with the optimizer made at another moment than after setup_module."""
+    from transformers import LlamaForCausalLM
+
+    from lightning_fsdp2.fabric import FSDP2Strategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=world(), strategy=FSDP2Strategy())
+    fabric.launch()
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(tiny_llama_config())
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    batch = TokenDataset(8).data[fabric.global_rank :: fabric.world_size]
+    if case == "before_setup":
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+        model = fabric.setup_module(model)
+    else:  # after an evaluation, which leaves the root's parameters unsharded
+        model = fabric.setup_module(model)
+        with torch.no_grad():
+            model(input_ids=batch)
+        optimizer = torch.optim.SGD(model.parameters(), lr=0.5)
+    optimizer = fabric.setup_optimizers(optimizer)
+    for _ in range(2):
+        fabric.backward(model(input_ids=batch, labels=batch).loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    after = full_state(model)
+    return {"unchanged": sorted(k for k in before if torch.equal(before[k], after[k]))}
+
+
+@pytest.mark.parametrize("case", ["before_setup", "after_evaluation"])
+def test_an_optimizer_made_before_setup_or_after_an_evaluation_trains_every_parameter(case: str) -> None:
+    """An optimizer over the unsharded parameters (made before `setup_module`, or from `model.parameters()` after a
+    no-grad forward left the root's embedding, norm and head unsharded) is pointed at the shards by
+    `setup_optimizers`: every parameter changes (none would before setup; the root's would not after evaluation)."""
+    for rank in run_distributed(_optimizer_moments, 2, case):
+        assert rank["unchanged"] == []
+
+
+class _Regression(L.LightningModule):
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = torch.nn.Sequential(torch.nn.Linear(8, 16), torch.nn.ReLU(), torch.nn.Linear(16, 4))
+
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return torch.nn.functional.mse_loss(self.net(x).float(), y)
+
+
+def _lightning_module_steps(precision: str) -> dict:
+    fabric = L.Fabric(accelerator="cpu", devices=world(), strategy="fsdp2", precision=precision)
+    fabric.launch()
+    torch.manual_seed(0)
+    module = _Regression()
+    optimizer = torch.optim.SGD(module.parameters(), lr=0.1)
+    model, optimizer = fabric.setup(module, optimizer)
+    g = torch.Generator().manual_seed(fabric.global_rank)
+    x, y = torch.randn(16, 8, generator=g), torch.randn(16, 4, generator=g)  # fp32, as a dataset gives them
+    losses = []
+    for step in range(5):
+        loss = model.training_step((x, y), step)  # Fabric routes LightningModule steps like forward
+        fabric.backward(loss)
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return {"losses": losses, "dtypes": sorted({str(p.dtype) for p in module.parameters()})}
+
+
+@pytest.mark.parametrize("precision", ["32-true", "bf16-true", "bf16-mixed"])
+def test_a_lightning_modules_training_step_runs_under_fabric(precision: str) -> None:
+    """A LightningModule set up by Fabric, its `training_step` called with fp32 inputs (Fabric's way): its children
+    are the FSDP roots (so the step's calls gather them), and under bf16-true they cast the inputs to bf16, as
+    Fabric's own wrapper does for other strategies. The loss falls."""
+    for rank in run_distributed(_lightning_module_steps, 2, precision):
+        assert rank["dtypes"] == (["torch.bfloat16"] if precision == "bf16-true" else ["torch.float32"])
+        assert rank["losses"][-1] < rank["losses"][0]

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import weakref
 from collections.abc import Callable, Mapping
+from pathlib import Path
 from contextlib import AbstractContextManager, ExitStack, nullcontext
 from datetime import timedelta
 from typing import Any
@@ -37,14 +38,27 @@ from torch.optim import Optimizer
 
 from lightning_fsdp2._processes import ProcessesMixin
 from lightning_fsdp2.checkpoint import formats
-from lightning_fsdp2.checkpoint.files import FORMAT_KEY, CheckpointFileError, load_torch_file
+from lightning_fsdp2.checkpoint.files import (
+    FORMAT_KEY,
+    CheckpointFileError,
+    check_sharded_files,
+    is_sharded_checkpoint,
+    load_torch_file,
+)
 from lightning_fsdp2.checkpoint.plan import tied_aliases
 from lightning_fsdp2.checkpoint.pretrained import load_pretrained
 from lightning_fsdp2.init import meta_init_context
-from lightning_fsdp2.parallel import Parallelized, ShardingOptions, check_not_rebuilt, no_gradient_sync, parallelize
+from lightning_fsdp2.parallel import (
+    Parallelized,
+    ShardingOptions,
+    check_not_rebuilt,
+    no_gradient_sync,
+    parallelize,
+    reshard,
+)
 from lightning_fsdp2.precision import PrecisionCore, clip_grad_norm_, convert_stock_precision
 from lightning_fsdp2.strategy import StateDictType
-from lightning_fsdp2.wrap import ModulePolicy
+from lightning_fsdp2.wrap import ModulePolicy, root_names
 
 __all__ = ["FSDP2Precision", "FSDP2Strategy"]
 
@@ -142,6 +156,9 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         self._num_nodes = 1
         # The modules set up here, and what parallelize did to each (the names it initialized at random).
         self._parallelized: weakref.WeakKeyDictionary[nn.Module, Parallelized] = weakref.WeakKeyDictionary()
+        self._originals: weakref.WeakKeyDictionary[nn.Module, list[tuple[weakref.ref, str]]] = (
+            weakref.WeakKeyDictionary()
+        )
         self._backward_sync_control = _NoGradientSync()
 
     # ---------------------------------------------------------------- Fabric plumbing: processes and devices
@@ -202,10 +219,16 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Shard ``module`` in place and give each rank's shards their values (initialization by the model's own
         rules, then the ``load_pretrained`` calls made under ``fabric.init_module()``); see
-        :func:`lightning_fsdp2.parallel.parallelize`."""
+        :func:`lightning_fsdp2.parallel.parallelize`. A ``LightningModule`` is sharded as the Trainer strategy shards
+        it (its children are the roots, so its ``training_step`` can call them); any other module is itself the
+        root, since the loop calls it."""
         if module in self._parallelized:
             check_not_rebuilt(module)
             return module
+        from lightning.pytorch import LightningModule
+
+        # An optimizer made over these before set-up is re-pointed at the shards in `setup_optimizer`.
+        self._originals[module] = [(weakref.ref(p), n) for n, p in module.named_parameters(remove_duplicate=False)]
         self._parallelized[module] = parallelize(
             module,
             self.device_mesh,
@@ -215,32 +238,50 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
             pretrained=self._deferred.take(module),
             # Fabric does not say whether the model will be trained: it will if anything in it is trainable.
             training=any(p.requires_grad for p in module.parameters()),
-            module_is_root=True,  # Fabric calls the module it was given
+            module_is_root=not isinstance(module, LightningModule),
         )
+        if isinstance(module, LightningModule):
+            # Fabric converts the inputs of a LightningModule's `training_step` (to bf16 under "bf16-true") only
+            # through a wrapper module, and an in-place sharded module has none: its roots convert them instead.
+            for name in root_names(module):
+                module.get_submodule(name).register_forward_pre_hook(self._convert_inputs, with_kwargs=True)
         return module
 
-    def setup_module_and_optimizers(
-        self, module: nn.Module, optimizers: list[Optimizer], scheduler: Any | None = None
-    ) -> tuple[nn.Module, list[Optimizer], Any | None]:
-        """``fabric.setup(model, optimizer)``: shard the model, then point the optimizers (made over its unsharded
-        or ``meta`` parameters) at the sharded ones, by name. They must not have stepped yet."""
-        names = {id(p): n for n, p in module.named_parameters(remove_duplicate=False)}
-        stepped = [type(o).__name__ for o in optimizers if o.state]
-        foreign = [type(o).__name__ for o in optimizers if any(id(p) not in names for g in o.param_groups for p in g["params"])]
-        if stepped or foreign:
+    def _convert_inputs(self, _module: nn.Module, args: Any, kwargs: Any) -> tuple[Any, Any]:
+        return self.precision.convert_input((args, kwargs))
+
+    def setup_optimizer(self, optimizer: Optimizer) -> Optimizer:
+        """``fabric.setup_optimizers``: the optimizer's parameters must be those of a model set up here. Made over
+        the model before ``setup_module`` (its ``meta`` or unsharded parameters), or after an evaluation left the
+        root's parameters unsharded, it is pointed at the sharded parameters by name (if it has not stepped yet)."""
+        where: dict[int, tuple[nn.Module, str]] = {}
+        for module in self._parallelized:
+            for ref, name in self._originals.get(module, []):
+                original = ref()
+                if original is not None:
+                    where[id(original)] = (module, name)
+            where.update({id(p): (module, n) for n, p in module.named_parameters(remove_duplicate=False)})
+            reshard(module)
+        current = {(m, n): p for m in self._parallelized for n, p in m.named_parameters(remove_duplicate=False)}
+        groups = [[current[where[id(p)]] if id(p) in where else None for p in g["params"]] for g in optimizer.param_groups]
+        foreign = sum(p is None for group in groups for p in group)
+        moved = any(q is not p for g, group in zip(optimizer.param_groups, groups) for p, q in zip(g["params"], group))
+        if foreign:
             raise ValueError(
-                f"fabric.setup(model, optimizer) with FSDP2Strategy re-points the optimizer at the sharded parameters,"
-                f" which needs an optimizer made over this model's parameters that has not stepped yet"
-                f" ({', '.join(stepped or foreign)} {'has state' if stepped else 'holds parameters of another model'})."
-                " Set the model up first and make the optimizer afterwards: `model = fabric.setup_module(model)`, then"
+                f"The {type(optimizer).__name__} holds {foreign} parameter(s) of no model set up with FSDP2Strategy."
+                " Set the model up first (`model = fabric.setup_module(model)`, or `fabric.setup(model, optimizer)`)"
+                " and make the optimizer over its parameters."
+            )
+        if moved and optimizer.state:
+            raise ValueError(
+                "FSDP2Strategy re-points the optimizer at the sharded parameters, which needs an optimizer that has not"
+                f" stepped yet ({type(optimizer).__name__} has state). Set the model up first and make the optimizer"
+                " afterwards: `model = fabric.setup_module(model)`, then"
                 " `optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters()))`."
             )
-        module = self.setup_module(module)
-        sharded = dict(module.named_parameters(remove_duplicate=False))
-        for optimizer in optimizers:
-            for group in optimizer.param_groups:
-                group["params"] = [sharded[names[id(p)]] for p in group["params"]]
-        return module, [self.setup_optimizer(o) for o in optimizers], scheduler
+        for group, params in zip(optimizer.param_groups, groups):
+            group["params"] = params
+        return optimizer
 
     def module_to_device(self, module: nn.Module) -> None:
         """Nothing to do: ``fully_shard`` and materialization place every shard on its device."""
@@ -280,9 +321,13 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
             raise TypeError("lightning_fsdp2.fabric.FSDP2Strategy does not take `storage_options`: it uses no CheckpointIO.")
         checkpoint: dict[str, Any] = {}
         tied: dict[str, Mapping[str, str]] = {}
+        # A base stored in NF4 (QLoRA) is frozen and comes from load_pretrained again on resume: never saved.
+        quantized = any(obj in self._parallelized and self._parallelized[obj].quantized for obj in state.values()
+                        if isinstance(obj, nn.Module))
+        trainable_only = self._save_trainable_only or quantized
         for key, obj in state.items():
             if isinstance(obj, nn.Module):
-                value = formats.model_state(obj, trainable_only=self._save_trainable_only)
+                value = formats.model_state(obj, trainable_only=trainable_only)
                 tied[key] = tied_aliases(obj, value)
             elif isinstance(obj, Optimizer):
                 value = formats.optimizer_state(self._owner(obj, state), obj, sharded=self._sharded)
@@ -295,7 +340,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
             checkpoint,
             self.broadcast(str(path)),  # every rank writes to rank 0's path
             sharded=self._sharded,
-            trainable_only=self._save_trainable_only,
+            trainable_only=trainable_only,
             world_size=self.world_size,
             checkpoint_io=self.checkpoint_io,
             tied=tied,
@@ -350,9 +395,13 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         self, path: _PATH, obj: nn.Module | Optimizer, strict: bool = True, weights_only: bool | None = None
     ) -> None:
         """``fabric.load_raw``: a module's weights from anything :func:`~lightning_fsdp2.load_pretrained` reads (a state
-        dict file, a Hugging Face directory, a Lightning or Fabric checkpoint), each rank its slices; or an optimizer's
-        state from a file holding ``optimizer.state_dict()`` (index-keyed)."""
+        dict file, a Hugging Face directory, a Lightning or Fabric checkpoint) or from a sharded checkpoint directory
+        holding them under one entry, each rank its slices; or an optimizer's state from a file holding
+        ``optimizer.state_dict()`` (index-keyed)."""
         path = self.broadcast(str(path))
+        if isinstance(obj, nn.Module) and is_sharded_checkpoint(path):
+            formats.load_sharded_model(obj, Path(path), strict=strict, key=_entry_of(obj, Path(path)))
+            return
         if isinstance(obj, nn.Module):
             load_pretrained(obj, path, strict=strict)  # the model is real (sharded) here: loaded at once
             return
@@ -378,6 +427,21 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         """Register as ``"fsdp2"`` in Fabric's strategy registry."""
         if "fsdp2" not in strategy_registry:
             strategy_registry.register("fsdp2", cls, description="FSDP2 (fully_shard) from lightning-fsdp2")
+
+
+def _entry_of(module: nn.Module, path: Path) -> str:
+    """The entry of a sharded checkpoint that holds ``module``'s tensors (``"model"`` in a Fabric one)."""
+    saved = list(check_sharded_files(path).state_dict_metadata)
+    names = [n for n, _ in module.named_parameters()]
+    entries = sorted({key.split(".", 1)[0] for key in saved})
+    fitting = [e for e in entries if any(f"{e}.{n}" in saved for n in names)]
+    if len(fitting) != 1:
+        raise CheckpointFileError(
+            f"The sharded checkpoint {path} holds {entries}, and {'none' if not fitting else 'several'} of them has"
+            f" {type(module).__name__}'s parameter names. Load it with `fabric.load(path, {{'model': model, ...}})`"
+            " under the names it was saved with."
+        )
+    return fitting[0]
 
 
 def _holds(module: nn.Module, optimizer: Optimizer) -> bool:

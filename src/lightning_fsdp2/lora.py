@@ -38,6 +38,7 @@ from lightning_fsdp2.checkpoint.plan import peft_state_dict, tied_aliases
 from lightning_fsdp2.checkpoint.pretrained import declare_load
 from lightning_fsdp2.checkpoint.shards import gather_to_rank0
 from lightning_fsdp2.checkpoint.sources import PretrainedSource
+from lightning_fsdp2.quantize import Dequantizing
 
 __all__ = ["AdapterExport", "find_peft_model", "load_adapter", "save_adapter", "save_merged"]
 
@@ -120,7 +121,8 @@ def save_merged(
     Call on every rank. The whole model is gathered to rank 0's CPU memory one tensor at a time; rank 0 rebuilds the
     peft model around those tensors (no copy), lets peft merge (``merge_and_unload``) and writes it with
     ``save_pretrained``, so ``AutoModelForCausalLM.from_pretrained(directory)`` loads it without peft. ``dtype``
-    converts the weights (default: as trained).
+    converts the weights (default: as trained). A base stored in NF4 (QLoRA) is written dequantized, in the dtype it
+    was quantized from (bf16 under ``"bf16-true"``).
     """
     peft_model = find_peft_model(module)
     if adapter_name not in peft_model.peft_config:
@@ -128,8 +130,9 @@ def save_merged(
     directory = Path(directory)
     on_rank0(lambda: check_export_directory(directory), f"write the merged model to {directory}")  # before any work
     sharded = peft_model.state_dict()
-    # Tied weights (embedding and head) are sent once and stay one tensor.
-    full = gather_to_rank0(sharded, same_as=tied_aliases(peft_model, sharded))
+    # Tied weights (embedding and head) are sent once and stay one tensor. An NF4 base (QLoRA) is dequantized shard by
+    # shard as it is gathered: rank 0 receives its original dtype, one tensor at a time.
+    full = gather_to_rank0(Dequantizing(sharded), same_as=tied_aliases(peft_model, sharded))
     base = peft_model.get_base_model()
     configs = copy.deepcopy(dict(peft_model.peft_config))
 

@@ -9,7 +9,8 @@ argument and everything it finds out is returned; nothing is stored on the user'
 1. the precision plugin converts the module (``*-true``: parameters stored in bf16/fp16; on ``meta`` only metadata);
 2. tensors built for real are made the same on every rank (rank 0's), so shards of one tensor fit together;
 3. activation checkpointing on the chosen modules (``wrap.py``), before any FSDP hook exists;
-4. ``fully_shard`` bottom-up, then the roots (``wrap.py``);
+4. ``fully_shard`` bottom-up, then the roots (``wrap.py``); weights loaded with ``quantize="nf4"`` are read whole and
+   quantized just before, one at a time (``quantize.py``), and split by it like any other;
 5. each rank materializes its own shards, initializes what no pretrained weights cover (``init.py``), loads the slices
    of pretrained weights that ``load_pretrained`` declared (``checkpoint/pretrained.py``), derives what depends on
    them (DoRA magnitudes), then checks nothing was left unset.
@@ -96,6 +97,10 @@ class Parallelized:
     """Names of the tensors that got their values from the init rules (materialized, not loaded): a checkpoint that
     leaves them out (``save_trainable_only``) leaves them at random values."""
 
+    quantized: frozenset[str] = field(default_factory=frozenset)
+    """Names of the weights stored in NF4 (``load_pretrained(..., quantize="nf4")``): frozen, never saved in
+    checkpoints (they come from ``load_pretrained`` again)."""
+
 
 def parallelize(
     module: nn.Module,
@@ -124,6 +129,11 @@ def parallelize(
     if options.activation_checkpointing_policy is not None:
         checkpointed = apply_activation_checkpointing(module, options.activation_checkpointing_policy)
         no_kv_cache_in_training(module, checkpointed)
+    # QLoRA: the weights declared with quantize="nf4" become whole NF4 tensors now; fully_shard splits them below.
+    quantized = pretrained.quantize(module, mesh.size())
+    # At world size 1 there is nothing to split, and torchao's NF4 does not take FSDP2's single-rank all-gather
+    # (fsdp_post_all_gather receives one output): NF4 weights then stay plain, unmanaged by FSDP2.
+    alone = {p for n, p in module.named_parameters() if n in quantized} if mesh.size() == 1 else None
     shard_model(
         module,
         mesh,
@@ -132,6 +142,7 @@ def parallelize(
         offload_policy=options.offload_policy,
         reshard_after_forward=options.reshard_after_forward,
         model_is_root=module_is_root,
+        ignored_params=alone,
     )
     # Offloaded shards live in CPU memory; FSDP2 copies them to the device when it gathers them.
     storage = torch.device("cpu") if options.offload_policy is not None else device
@@ -144,7 +155,7 @@ def parallelize(
     pretrained.run(module)
     initialize_from_loaded(module, to_initialize)  # DoRA magnitudes: norms of the loaded base weights
     check_initialized(module, to_initialize, device)
-    return Parallelized(initialized=frozenset(to_initialize))
+    return Parallelized(initialized=frozenset(to_initialize), quantized=frozenset(quantized))
 
 
 @torch.no_grad()
@@ -162,6 +173,16 @@ def broadcast_real_tensors(module: nn.Module, device: torch.device) -> None:
         torch.distributed.broadcast(staged, src=0)
         if staged is not tensor.data:
             tensor.data.copy_(staged)
+
+
+def reshard(module: nn.Module) -> None:
+    """Put every FSDP group of ``module`` back in its sharded state. A root is not resharded after a forward without
+    gradients (an evaluation, ``generate``), which waits for a backward that does not come: until the next forward
+    its parameters are the unsharded tensors, which an optimizer made from ``model.parameters()`` would then hold
+    (and never update the shards). Call before taking the parameters outside a step."""
+    for sub in module.modules():
+        if isinstance(sub, FSDPModule):
+            sub.reshard()
 
 
 @contextmanager

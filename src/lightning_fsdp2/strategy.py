@@ -332,7 +332,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         """The model's state dict with clean names, as each rank's ``DTensor`` shards; a full save gathers them to
         rank 0 while it writes the file (so rank 0 never holds the whole model)."""
         assert self.model is not None
-        return ckpt.model_state(self.model, trainable_only=self._save_trainable_only)
+        return ckpt.model_state(self.model, trainable_only=self._trainable_only)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state as shards: index-keyed as a single device writes it (``"full"``) or name-keyed."""
@@ -348,7 +348,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         does): the shards come from all of them."""
         assert self.model is not None
         self.wait_for_checkpoint()  # one save at a time: the previous one is complete (and in place) first
-        if self._save_trainable_only:  # also in what callbacks put there (weight averaging's two state dicts)
+        if self._trainable_only:  # also in what callbacks put there (weight averaging's two state dicts)
             frozen = {n for n, p in self.lightning_module.named_parameters(remove_duplicate=False) if not p.requires_grad}
             for key in ("state_dict", *sharded_entries(checkpoint)):
                 if isinstance(checkpoint.get(key), Mapping):
@@ -357,7 +357,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
             checkpoint,
             self.broadcast(str(filepath)),  # every rank writes to rank 0's path
             sharded=self._sharded,
-            trainable_only=self._save_trainable_only,
+            trainable_only=self._trainable_only,
             world_size=self.world_size,
             checkpoint_io=self.checkpoint_io,
             storage_options=storage_options,
@@ -372,6 +372,11 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         # script ends: save synchronously there.
         trainer = getattr(self.lightning_module, "_trainer", None)
         return not self._torn_down and trainer is not None and trainer.state.status == TrainerStatus.RUNNING
+
+    @property
+    def _trainable_only(self) -> bool:
+        # A base stored in NF4 (QLoRA) is frozen and comes from load_pretrained again on resume: never saved.
+        return self._save_trainable_only or bool(self._parallelized is not None and self._parallelized.quantized)
 
     def wait_for_checkpoint(self) -> None:
         """Wait until a checkpoint being written in the background (``async_save``) is complete and in place; raise

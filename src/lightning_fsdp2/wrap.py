@@ -127,6 +127,7 @@ def shard_model(
     offload_policy: OffloadPolicy | None = None,
     reshard_after_forward: bool | int = True,
     model_is_root: bool = False,
+    ignored_params: set[nn.Parameter] | None = None,
 ) -> list[str]:
     """Apply ``fully_shard`` to the selected modules bottom-up, then to the roots; return the groups' names.
 
@@ -137,7 +138,7 @@ def shard_model(
     parameters with each other, is
     ``model`` the single root; its steps must then run through its ``__call__`` (the strategy sees to that).
     ``model_is_root``: ``model`` is the root whatever it holds, for a front-end that calls ``model`` itself (Fabric
-    calls the module given to ``setup_module``).
+    calls the module given to ``setup_module``). ``ignored_params``: parameters FSDP2 leaves alone (whole, local).
 
     Two kinds of modules are never made groups of their own, whatever the policy says:
 
@@ -157,6 +158,8 @@ def shard_model(
     }
     if offload_policy is not None:
         kwargs["offload_policy"] = offload_policy
+    if ignored_params:
+        kwargs["ignored_params"] = ignored_params
     inside_adapter = _names_inside_adapter_layers(model)
     owners = _parameter_owners(model)
     groups: list[str] = []

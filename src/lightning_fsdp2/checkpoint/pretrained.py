@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import warnings
-from collections.abc import Callable, Generator
+from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
 
+import torch
 from torch import nn
 
 from lightning_fsdp2.checkpoint.files import CheckpointFileError
@@ -24,6 +25,7 @@ from lightning_fsdp2.checkpoint.plan import (
     run_plan,
 )
 from lightning_fsdp2.checkpoint.sources import ConvertedSource, PretrainedSource, TensorSource, open_source
+from lightning_fsdp2.quantize import check_nf4_targets, check_quantize, nf4_targets, quantize_into
 
 
 @dataclass
@@ -32,6 +34,8 @@ class _PendingLoad:
     source: PretrainedSource
     strict: bool
     adapters_only: bool = False
+    quantize: str | None = None
+    skip: Sequence[str] = ()
 
 
 class DeferredLoads:
@@ -62,7 +66,7 @@ class DeferredLoads:
         prefixes = {id(sub): prefix for prefix, sub in root.named_modules()}
         mine = [load for load in self._loads if id(load.module) in prefixes]
         self._loads = [load for load in self._loads if id(load.module) not in prefixes]
-        loads: list[tuple[str, TensorSource, LoadPlan]] = []
+        loads: list[tuple[str, TensorSource, LoadPlan, list[str]]] = []
         for pending in mine:
             source = open_source(pending.source)
             source = source if pending.adapters_only else with_conversions(pending.module, source)
@@ -70,14 +74,22 @@ class DeferredLoads:
             plan = check_pretrained(
                 pending.module, source, strict=pending.strict, warn=False, adapters_only=pending.adapters_only
             )
-            loads.append((prefixes[id(pending.module)], source, plan))
+            quantized = nf4_targets(pending.module, list(plan.copies), pending.skip) if pending.quantize else []
+            loads.append((prefixes[id(pending.module)], source, plan, quantized))
         return PendingPretrained(loads)
 
 
 _current: ContextVar[DeferredLoads | None] = ContextVar("lightning_fsdp2_deferred_loads", default=None)
 
 
-def load_pretrained(module: nn.Module, source: PretrainedSource, *, strict: bool = True) -> None:
+def load_pretrained(
+    module: nn.Module,
+    source: PretrainedSource,
+    *,
+    strict: bool = True,
+    quantize: str | None = None,
+    skip: Sequence[str] = (),
+) -> None:
     """Declare that ``module``'s initial weights come from ``source``; call it in ``configure_model``.
 
     Under ``FSDP2Strategy`` the module is on the ``meta`` device here, so the load is deferred: after the model is
@@ -99,14 +111,29 @@ def load_pretrained(module: nn.Module, source: PretrainedSource, *, strict: bool
             Lightning ``.ckpt`` file, or a state dict.
         strict: raise on keys in ``source`` that fit nothing in the model (``False``: warn). Parameters that the
             source lacks (other than adapters) and shape mismatches always raise.
+        quantize: ``"nf4"`` stores the weights of the model's ``nn.Linear`` layers in 4-bit NF4 (torchao's
+            ``NF4Tensor``; QLoRA's base), quantized as they are read, one whole tensor at a time; not the output
+            head, not peft's adapters. Embeddings and norms keep the model's dtype. The quantized weights are
+            frozen (train adapters on them with peft). Needs ``pip install lightning-fsdp2[qlora]``.
+        skip: with ``quantize``, modules to leave unquantized: names, or endings of names (``"down_proj"``,
+            ``"layers.0.mlp"``), as transformers' ``modules_to_not_convert``.
 
     Raises:
         CheckpointFileError: listing missing or unexpected keys, or naming a key whose shapes differ.
     """
-    declare_load(module, source, strict=strict, adapters_only=False)
+    check_quantize(quantize, skip)
+    declare_load(module, source, strict=strict, adapters_only=False, quantize=quantize, skip=tuple(skip))
 
 
-def declare_load(module: nn.Module, source: PretrainedSource, *, strict: bool, adapters_only: bool) -> None:
+def declare_load(
+    module: nn.Module,
+    source: PretrainedSource,
+    *,
+    strict: bool,
+    adapters_only: bool,
+    quantize: str | None = None,
+    skip: Sequence[str] = (),
+) -> None:
     """:func:`load_pretrained`, and with ``adapters_only`` the loading of saved peft adapters (``lora.load_adapter``):
     then the source must cover every adapter parameter and need not cover the base model."""
     # Checked now, while the user is still in configure_model, so that a wrong path or model fails before any
@@ -123,8 +150,12 @@ def declare_load(module: nn.Module, source: PretrainedSource, *, strict: bool, a
                 " meta_init=True), or under `fabric.init_module()` with lightning_fsdp2.fabric.FSDP2Strategy. Build"
                 " the model for real to load at once."
             )
-        collector._loads.append(_PendingLoad(module, source, strict, adapters_only))
+        collector._loads.append(_PendingLoad(module, source, strict, adapters_only, quantize, skip))
         return
+    quantized = nf4_targets(module, list(plan.copies), skip) if quantize else []
+    if quantized:  # built for real: quantized at once (the weights freeze now; peft freezes the base anyway)
+        world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
+        PendingPretrained([("", opened, plan, quantized)]).quantize(module, world, require_frozen=False)
     run_plan(module, opened, plan)
 
 
@@ -232,16 +263,34 @@ def with_conversions(module: nn.Module, source: TensorSource) -> TensorSource:
 
 @dataclass
 class PendingPretrained:
-    """The deferred :func:`load_pretrained` calls found in a model, planned against its current names."""
+    """The deferred :func:`load_pretrained` calls found in a model, planned against its current names: per load, the
+    submodule's name, the source, the plan, and the weights to store in NF4."""
 
-    loads: list[tuple[str, TensorSource, LoadPlan]]
+    loads: list[tuple[str, TensorSource, LoadPlan, list[str]]]
 
     @property
     def covered(self) -> set[str]:
         """Names (relative to the model) of the tensors these loads will give values."""
-        return {f"{prefix}.{n}" if prefix else n for prefix, _, plan in self.loads for n in plan.copies}
+        return {f"{prefix}.{n}" if prefix else n for prefix, _, plan, _ in self.loads for n in plan.copies}
+
+    def quantize(self, root: nn.Module, world_size: int, require_frozen: bool = True) -> set[str]:
+        """Store the weights the loads quantize in NF4 now, before sharding (see :mod:`lightning_fsdp2.quantize`):
+        each read whole, one at a time, cast, quantized, put in place of its parameter; they leave the plans (the
+        rest is copied by :meth:`run` once the shards exist). Every weight is checked before any is read. Returns
+        their names relative to ``root``."""
+        for prefix, source, plan, names in self.loads:
+            shapes = {n: tuple(source.shape(plan.copies[n])) for n in names}
+            check_nf4_targets(root.get_submodule(prefix), names, shapes, world_size, require_frozen)
+        done = set()
+        for prefix, source, plan, names in self.loads:
+            sub = root.get_submodule(prefix)
+            for name in sorted(names, key=lambda n: source.where(plan.copies[n])):
+                key = plan.copies.pop(name)
+                quantize_into(sub, name, source.read(key, tuple(slice(None) for _ in source.shape(key))))
+                done.add(f"{prefix}.{name}" if prefix else name)
+        return done
 
     def run(self, root: nn.Module) -> None:
         """Read each rank's slices into its materialized shards."""
-        for prefix, source, plan in self.loads:
+        for prefix, source, plan, _ in self.loads:
             run_plan(root.get_submodule(prefix), source, plan)

@@ -1,0 +1,177 @@
+"""QLoRA's frozen base: linear weights stored in 4-bit NF4 (torchao's ``NF4Tensor``), quantized as they are loaded.
+
+``load_pretrained(model, source, quantize="nf4")`` names the weights; when the load runs (after the model is built,
+before ``fully_shard``), each one is read whole from the source (one at a time: at most one tensor in high
+precision), cast to its parameter's dtype, quantized by torchao's ``to_nf4`` and put in place of the parameter.
+``fully_shard`` then splits the quantized tensor along dim 0 at block boundaries (torchao implements the split FSDP2
+uses), so every rank keeps only its shard of the very bytes one process would hold: quantizing each whole tensor
+once and sharding the result is what makes world size N identical to one process (NF4's double quantization has a
+per-tensor mean, so quantizing slices separately would differ). Until a weight's block is sharded, each rank holds
+that whole NF4 weight (about a quarter of bf16): the whole NF4 base at most, briefly, before sharding starts.
+
+torchao is an optional dependency: ``pip install lightning-fsdp2[qlora]``.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Mapping, Sequence
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+
+QUANTIZATIONS = ("nf4",)
+NF4_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+def nf4_module() -> Any:
+    """torchao's NF4 module (``to_nf4``, ``NF4Tensor``), or an ImportError naming the extra that installs it."""
+    try:
+        from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+    except ImportError as err:
+        raise ImportError(
+            "load_pretrained(..., quantize='nf4') stores the base in torchao's NF4Tensor, but torchao is not"
+            " installed. Install the extra: `pip install lightning-fsdp2[qlora]` (or `pip install torchao`)."
+        ) from err
+    return nf4_tensor
+
+
+def check_quantize(quantize: str | None, skip: Sequence[str]) -> None:
+    """Refuse an unknown ``quantize`` (and, for ``"nf4"``, a missing torchao) when ``load_pretrained`` is called."""
+    if quantize is None:
+        return
+    if quantize not in QUANTIZATIONS:
+        raise ValueError(f"load_pretrained(quantize={quantize!r}): the supported quantization is 'nf4' (or None).")
+    if isinstance(skip, str):
+        raise TypeError(f"load_pretrained(skip={skip!r}) takes a list of module names, e.g. skip=['mlp.down_proj'].")
+    nf4_module()
+
+
+def is_nf4(tensor: Tensor) -> bool:
+    """Whether ``tensor`` (or a ``DTensor``'s local shard) is an NF4 tensor."""
+    from torch.distributed.tensor import DTensor
+
+    local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+    return type(local).__name__ == "NF4Tensor"
+
+
+def nf4_targets(module: nn.Module, candidates: Sequence[str], skip: Sequence[str]) -> list[str]:
+    """Of ``candidates`` (parameter names relative to ``module`` that a load covers), the ``nn.Linear`` weights to
+    quantize: not peft's adapters, not the output head (the ``get_output_embeddings()`` of a Hugging Face model, or
+    a module named ``lm_head``), not in a module whose name ends with one of ``skip`` (as transformers'
+    ``modules_to_not_convert``)."""
+    from lightning_fsdp2.checkpoint.plan import adapter_tensors
+
+    adapters = adapter_tensors(module)
+    heads = {id(m) for m in _output_heads(module)}
+    linear = {
+        f"{name}.weight" if name else "weight": name
+        for name, sub in module.named_modules()
+        if isinstance(sub, nn.Linear) and id(sub) not in heads and name.rsplit(".", 1)[-1] != "lm_head"
+    }
+    clean = [s.strip(".") for s in skip]
+
+    def skipped(module_name: str) -> bool:
+        return any(module_name == s or module_name.endswith(f".{s}") or f".{s}." in f".{module_name}." for s in clean)
+
+    return [n for n in candidates if n in linear and n not in adapters and not skipped(linear[n])]
+
+
+def _output_heads(module: nn.Module) -> list[nn.Module]:
+    heads = []
+    for sub in module.modules():
+        get = getattr(sub, "get_output_embeddings", None)
+        if callable(get) and hasattr(sub, "config"):
+            try:
+                head = get()
+            except (NotImplementedError, AttributeError):
+                continue
+            if isinstance(head, nn.Module):
+                heads.append(head)
+    return heads
+
+
+def check_nf4_targets(
+    module: nn.Module,
+    names: Sequence[str],
+    shapes: dict[str, tuple[int, ...]],
+    world_size: int,
+    require_frozen: bool = True,
+) -> None:
+    """Raise one error listing every weight that cannot be stored in NF4 here: trainable (NF4 weights are frozen;
+    peft's ``get_peft_model`` freezes the base), of a dtype ``to_nf4`` does not take, or of a size NF4's blocks cannot
+    split into ``world_size`` equal shards. Called before anything is allocated; the same on every rank."""
+    nf4_module()
+    block = _BLOCK_SIZE * _SCALER_BLOCK_SIZE
+    params = dict(module.named_parameters())
+    problems = []
+    for name in names:
+        param = params[name]
+        numel = 1
+        for size in shapes[name]:
+            numel *= size
+        if param.requires_grad and require_frozen:
+            problems.append(f"{name!r} is trainable (NF4 weights are frozen: wrap the model with peft's get_peft_model,"
+                            " which freezes the base, or set requires_grad=False)")
+        elif param.dtype not in NF4_DTYPES:
+            problems.append(f"{name!r} is {param.dtype}; torchao's to_nf4 takes float32, bfloat16 or float16")
+        elif len(shapes[name]) != 2 or numel % (block * world_size) or shapes[name][0] % world_size:
+            problems.append(
+                f"{name!r} has shape {shapes[name]}: NF4 quantizes blocks of {_BLOCK_SIZE} values with one scale per"
+                f" {_SCALER_BLOCK_SIZE} blocks, and FSDP2 splits it along dim 0 into {world_size} shard(s), so its"
+                f" size must be a multiple of {block} x {world_size}"
+            )
+    if problems:
+        raise ValueError(
+            f"load_pretrained(quantize='nf4') cannot quantize {len(problems)} weight(s): " + "; ".join(problems)
+            + ". Exclude those modules with load_pretrained(..., skip=[...]) or fix the model."
+        )
+
+
+def quantize_into(module: nn.Module, name: str, whole: Tensor) -> None:
+    """Replace the parameter ``name`` of ``module`` by ``whole`` (cast to the parameter's dtype) quantized to NF4,
+    frozen."""
+    nf4 = nf4_module()
+    owner_name, _, leaf = name.rpartition(".")
+    owner = module.get_submodule(owner_name)
+    param = owner._parameters[leaf]
+    assert param is not None
+    quantized = nf4.to_nf4(whole.to(param.dtype).contiguous(), _BLOCK_SIZE, _SCALER_BLOCK_SIZE)
+    owner._parameters[leaf] = nn.Parameter(quantized, requires_grad=False)
+
+
+def dequantized(tensor: Tensor) -> Tensor:
+    """An NF4 tensor (or ``DTensor`` of NF4 shards) back in its original dtype; other tensors as they are. Blocks are
+    independent, so each shard dequantizes to the same values as the whole tensor would."""
+    from torch.distributed.tensor import DTensor
+
+    if not is_nf4(tensor):
+        return tensor
+    if isinstance(tensor, DTensor):
+        local = tensor.to_local().get_original_weight()
+        return DTensor.from_local(local, tensor.device_mesh, tensor.placements, shape=tensor.shape,
+                                  stride=tensor.stride())
+    return tensor.get_original_weight()
+
+
+class Dequantizing(Mapping):
+    """A state dict whose NF4 tensors read back dequantized (:func:`dequantized`), one at a time as they are read:
+    what ``lora.save_merged`` gathers, so that no rank holds more than one dequantized tensor beyond its shards."""
+
+    def __init__(self, state: Mapping[str, Any]) -> None:
+        self._state = state
+
+    def __getitem__(self, key: str) -> Any:
+        value = self._state[key]
+        return dequantized(value) if isinstance(value, Tensor) else value
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self._state)
+
+    def __len__(self) -> int:
+        return len(self._state)
+
+
+# torchao's defaults (QLoRA's): 64 values per block, one fp8 scale per block, the scales quantized in blocks of 256.
+_BLOCK_SIZE = 64
+_SCALER_BLOCK_SIZE = 256

@@ -1,0 +1,290 @@
+"""QLoRA: a base stored in NF4 by `load_pretrained(..., quantize="nf4")`, against a QLoRA built by hand in one process.
+
+The reference uses no lightning_fsdp2 code: the eager model from `from_pretrained`, each linear weight but the head
+replaced by torchao's `to_nf4(weight)`, peft's LoRA on top, the adapters from a saved adapter directory, plain SGD.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import pytest
+import torch
+
+from tests.helpers import run_distributed
+from tests.models import TokenDataset, full_state, quiet_trainer_kwargs, tiny_llama_config, world
+
+pytest.importorskip("torchao")
+
+# NF4 splits blocks of 64 values with one scale per 256 blocks (16,384 values), and FSDP2 splits each weight into
+# world-size shards: 256 x 256 projections (65,536 values) shard at world size 4.
+QLORA_SHAPE = dict(hidden_size=256, intermediate_size=512, num_key_value_heads=4)
+LORA = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+STEPS = 3
+
+
+def _config():
+    return tiny_llama_config(**QLORA_SHAPE)
+
+
+@pytest.fixture(scope="module")
+def start(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, str]:
+    """A pretrained base (safetensors directory) and a LoRA adapter with non-zero A and B."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    tmp = tmp_path_factory.mktemp("qlora")
+    torch.manual_seed(0)
+    LlamaForCausalLM(_config()).save_pretrained(tmp / "base")
+    torch.manual_seed(1)
+    get_peft_model(LlamaForCausalLM(_config()), LoraConfig(**LORA)).save_pretrained(tmp / "adapter")
+    return str(tmp / "base"), str(tmp / "adapter")
+
+
+def _nf4_parts(tensor: Any) -> dict[str, torch.Tensor]:
+    """An NF4 tensor's stored bytes: codes, quantized scales, their factors and mean."""
+    return {k: getattr(tensor, k).detach().clone() for k in
+            ("quantized_data", "quantized_scalers", "quantization_factor", "scaler_mean", "nf4")}
+
+
+def _reference(base: str, adapter: str, dtype: torch.dtype) -> dict:
+    from peft import PeftModel
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    from transformers import LlamaForCausalLM
+
+    model = LlamaForCausalLM.from_pretrained(base, torch_dtype=dtype)
+    nf4 = {}
+    for name, module in model.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            module.weight = torch.nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
+            nf4[f"{name}.weight"] = _nf4_parts(module.weight)
+    model = PeftModel.from_pretrained(model, adapter, is_trainable=True, autocast_adapter_dtype=True)
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    data, losses = TokenDataset(32).data, []
+    for step in range(STEPS):
+        batch = data[step * 8 : (step + 1) * 8]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    adapters = {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
+    return {"nf4": nf4, "adapters": adapters, "losses": losses}
+
+
+class QLoRAModule(L.LightningModule):
+    def __init__(self, base: str, adapter: str, skip: tuple[str, ...] = (), n_samples: int = 32) -> None:
+        super().__init__()
+        self.base, self.adapter, self.skip, self.n_samples = base, adapter, skip, n_samples
+        self.model: Any = None
+        self.losses: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from peft import LoraConfig, get_peft_model
+        from transformers import LlamaForCausalLM
+
+        from lightning_fsdp2 import load_pretrained
+        from lightning_fsdp2.lora import load_adapter
+
+        model = LlamaForCausalLM(_config())
+        load_pretrained(model, self.base, quantize="nf4", skip=list(self.skip))
+        self.model = get_peft_model(model, LoraConfig(**LORA))
+        load_adapter(self.model, self.adapter)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.losses.append(float(self.trainer.strategy.reduce(loss.detach())))
+        return loss
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+
+    def train_dataloader(self) -> Any:
+        from torch.utils.data import DataLoader, DistributedSampler
+
+        dataset = TokenDataset(self.n_samples)
+        return DataLoader(dataset, batch_size=8 // world(), sampler=DistributedSampler(dataset, shuffle=False))
+
+
+def _fit_qlora(base: str, adapter: str, precision: str, strategy: dict | None = None, trainer: dict | None = None,
+               skip: tuple[str, ...] = ()) -> dict:
+    from torch.distributed.tensor import DTensor
+
+    from lightning_fsdp2 import FSDP2Strategy
+    from lightning_fsdp2.quantize import is_nf4
+
+    strategy = dict(strategy or {})
+    if strategy.get("activation_checkpointing_policy") == "blocks":
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        strategy["activation_checkpointing_policy"] = {LlamaDecoderLayer}
+    module = QLoRAModule(base, adapter, skip)
+    fit = L.Trainer(accelerator="cpu", devices=world(), strategy=FSDP2Strategy(**strategy),
+                    precision=precision, max_steps=STEPS, limit_val_batches=0, num_sanity_val_steps=0,
+                    **{**quiet_trainer_kwargs(), **(trainer or {})})
+    fit.fit(module)
+    params = dict(module.model.named_parameters())
+    local = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in params.items()}
+    nf4 = {}
+    for name, param in params.items():
+        if is_nf4(param):
+            # Sharded from world size 2; at world size 1 FSDP2 leaves them whole (nothing to split).
+            assert isinstance(param, DTensor) == (world() > 1) and not param.requires_grad
+            nf4[name] = _nf4_parts(local[name])
+    state = full_state(module.model)
+    return {
+        "nf4": nf4,
+        "local_type": type(local["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"]).__name__,
+        "adapters": {k: v for k, v in state.items() if "lora_" in k},
+        "dtypes": {k: str(p.dtype) for k, p in params.items()},
+        "losses": module.losses,
+    }
+
+
+def _whole(ranks: list[dict], name: str) -> dict[str, torch.Tensor]:
+    """A weight's NF4 parts put back together from every rank's shard (dim-0 chunks, in rank order)."""
+    parts = [r["nf4"][name] for r in ranks]
+    whole = {k: torch.cat([p[k].reshape(-1) for p in parts]) for k in ("quantized_data", "quantized_scalers",
+                                                                       "quantization_factor")}
+    return {**whole, "scaler_mean": parts[0]["scaler_mean"], "nf4": parts[0]["nf4"]}
+
+
+def _ours(name: str) -> str:
+    """The peft model's name of a reference (plain model) weight: peft wraps q/v in `base_layer`."""
+    peft = f"base_model.model.{name}"
+    return peft.replace("q_proj.weight", "q_proj.base_layer.weight").replace("v_proj.weight", "v_proj.base_layer.weight")
+
+
+@pytest.mark.parametrize("world_size", [1, 2, pytest.param(4, marks=pytest.mark.slow)])
+def test_qlora_matches_a_hand_built_qlora_in_one_process(start: tuple[str, str], world_size: int) -> None:
+    """fp32 base (`"32-true"`, the exact case): every NF4 byte of every quantized weight is the reference's (whole
+    tensors quantized once, then sharded); each rank's shard is an `NF4Tensor`; after 3 SGD steps the adapters are
+    within 1e-5 of the reference's and the losses within 1e-5 (only the order of gradient sums differs)."""
+    want = _reference(*start, torch.float32)
+    ranks = run_distributed(_fit_qlora, world_size, *start, "32-true")
+    assert ranks[0]["local_type"] == "NF4Tensor"
+    assert {_ours(n) for n in want["nf4"]} == set(ranks[0]["nf4"])  # every linear weight but the head
+    for name, parts in want["nf4"].items():
+        got = _whole(ranks, _ours(name))
+        for key, value in parts.items():
+            assert torch.equal(got[key].reshape(-1), value.reshape(-1)), f"{name}: {key}"
+    adapters = ranks[0]["adapters"]
+    assert adapters.keys() == {f"base_model.model.{k.removeprefix('base_model.model.')}" for k in want["adapters"]}
+    worst = max((adapters[k] - want["adapters"][k]).abs().max().item() for k in want["adapters"])
+    assert worst <= 1e-5, f"max abs diff of the adapters {worst}"
+    assert ranks[0]["losses"] == pytest.approx(want["losses"], abs=1e-5)
+
+
+def test_qlora_under_bf16_true_with_checkpointing_accumulation_and_clipping(start: tuple[str, str]) -> None:
+    """bf16-true: the NF4 base holds bf16 (its embeddings and norms are bf16, the adapters fp32), with activation
+    checkpointing, accumulation over 2 micro-batches and clipping; the loss is finite and falls."""
+    ranks = run_distributed(
+        _fit_qlora, 2, *start, "bf16-true", {"activation_checkpointing_policy": "blocks"},
+        {"accumulate_grad_batches": 2, "gradient_clip_val": 1.0},
+    )
+    dtypes = ranks[0]["dtypes"]
+    assert dtypes["base_model.model.model.embed_tokens.weight"] == "torch.bfloat16"
+    assert dtypes["base_model.model.model.layers.0.self_attn.q_proj.lora_A.default.weight"] == "torch.float32"
+    assert dtypes["base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight"] == "torch.bfloat16"  # NF4 of bf16
+    losses = ranks[0]["losses"]
+    assert all(torch.isfinite(torch.tensor(losses))) and losses[-1] < losses[0]
+
+
+def test_skip_leaves_modules_unquantized(start: tuple[str, str]) -> None:
+    ranks = run_distributed(_fit_qlora, 2, *start, "32-true", None, None, ("down_proj", "layers.1.self_attn.q_proj"))
+    names = set(ranks[0]["nf4"])
+    assert not any("down_proj" in n for n in names)
+    assert "base_model.model.model.layers.1.self_attn.q_proj.base_layer.weight" not in names
+    assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight" in names
+
+
+# --------------------------------------------------------------------------- checkpoints and exports
+def _fit_epochs(base: str, adapter: str, epochs: int, state_dict_type: str, save_to: str | None = None,
+                resume_from: str | None = None) -> dict:
+    from lightning_fsdp2 import FSDP2Strategy
+    from lightning_fsdp2.checkpoint.files import FORMAT_KEY
+
+    module = QLoRAModule(base, adapter, n_samples=16)  # 2 steps an epoch
+    trainer = L.Trainer(accelerator="cpu", devices=world(), strategy=FSDP2Strategy(state_dict_type=state_dict_type),
+                        precision="bf16-true", max_epochs=epochs, limit_val_batches=0, num_sanity_val_steps=0,
+                        **quiet_trainer_kwargs())
+    trainer.fit(module, ckpt_path=resume_from)
+    saved = {}
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
+        meta = Path(save_to) / "meta.pt" if Path(save_to).is_dir() else Path(save_to)
+        checkpoint = torch.load(meta, weights_only=True, mmap=True)
+        saved = {"format": checkpoint.get(FORMAT_KEY, {}),
+                 "keys": sorted(checkpoint.get("state_dict", {}))}
+    state = full_state(module.model)
+    return {"adapters": {k: v for k, v in state.items() if "lora_" in k}, "step": trainer.global_step, **saved}
+
+
+@pytest.mark.parametrize("state_dict_type", ["full", "sharded"])
+def test_qlora_checkpoints_hold_the_trainable_state_and_resume_exactly(
+    start: tuple[str, str], tmp_path: Path, state_dict_type: str
+) -> None:
+    """The NF4 base is never saved (it comes from load_pretrained again): the checkpoint is marked trainable-only and
+    holds the adapters. Saved at world size 2 after one epoch, resumed at 1 and 2 processes: the adapters after two
+    epochs equal an uninterrupted run's (<= 1e-4)."""
+    ckpt = str(tmp_path / ("ckpt" if state_dict_type == "sharded" else "ckpt.ckpt"))
+    straight = run_distributed(_fit_epochs, 2, *start, 2, state_dict_type)[0]
+    first = run_distributed(_fit_epochs, 2, *start, 1, state_dict_type, ckpt)[0]
+    assert first["format"]["trainable_only"] is True
+    if state_dict_type == "full":
+        assert first["keys"] and all("lora_" in k for k in first["keys"])
+    for resume_world in (1, 2):
+        resumed = run_distributed(_fit_epochs, resume_world, *start, 2, state_dict_type, None, ckpt)[0]
+        assert resumed["step"] == straight["step"] == 4
+        worst = max((resumed["adapters"][k] - straight["adapters"][k]).abs().max().item() for k in straight["adapters"])
+        assert worst <= 1e-4, f"resumed at {resume_world}: max abs diff {worst}"
+
+
+def _export(base: str, adapter: str, out: str) -> dict:
+    from lightning_fsdp2 import FSDP2Strategy
+    from lightning_fsdp2.lora import save_adapter, save_merged
+
+    module = QLoRAModule(base, adapter)
+    trainer = L.Trainer(accelerator="cpu", devices=world(), strategy=FSDP2Strategy(), precision="bf16-true",
+                        max_steps=STEPS, limit_val_batches=0, num_sanity_val_steps=0, **quiet_trainer_kwargs())
+    trainer.fit(module)
+    save_adapter(module, f"{out}/adapter")
+    save_merged(module, f"{out}/merged")
+    return {"adapters": {k: v for k, v in full_state(module.model).items() if "lora_" in k}}
+
+
+def test_qlora_exports_a_peft_adapter_and_a_dequantized_merged_model(start: tuple[str, str], tmp_path: Path) -> None:
+    """After bf16-true QLoRA training at world size 2: `save_adapter` writes the trained adapters in peft's format
+    (fp32, equal to the trained ones); `save_merged` writes a bf16 Hugging Face model whose base weights are the NF4
+    base dequantized, with the adapters merged: its logits are those of the hand-built QLoRA with the saved adapter
+    (bf16 merge rounding: within 5e-2 on logits of size ~5)."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
+    from transformers import AutoModelForCausalLM, LlamaForCausalLM
+
+    trained = run_distributed(_export, 2, *start, str(tmp_path))[0]["adapters"]
+    saved = load_file(tmp_path / "adapter" / "adapter_model.safetensors")
+    assert {v.dtype for v in saved.values()} == {torch.float32}
+    for key, value in saved.items():
+        ours = key.replace(".weight", ".default.weight")
+        assert torch.equal(value, trained[ours]), key
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert merged.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
+    reference = LlamaForCausalLM.from_pretrained(start[0], torch_dtype=torch.bfloat16)
+    for name, module in reference.named_modules():
+        if isinstance(module, torch.nn.Linear) and name != "lm_head":
+            module.weight = torch.nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
+    # The base the merge started from is the dequantized NF4: the down projection (no adapter) is exactly that.
+    down = reference.model.layers[0].mlp.down_proj.weight.get_original_weight()
+    assert torch.equal(merged.model.layers[0].mlp.down_proj.weight, down)
+    reference = PeftModel.from_pretrained(reference, tmp_path / "adapter")
+    tokens = TokenDataset(2).data
+    with torch.no_grad():
+        got, want = merged(input_ids=tokens).logits.float(), reference(input_ids=tokens).logits.float()
+    assert (got - want).abs().max() < 5e-2
