@@ -13,7 +13,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,demo]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,demo,qlora]"
 	touch $(STAMP)
 
 test: $(STAMP)

@@ -3,6 +3,7 @@
     python examples/lora_finetune.py                                   # tiny Llama made locally, 2 CPU processes
     python examples/lora_finetune.py --model path/to/llama --accelerator cuda --devices 8 --precision bf16-mixed
     python examples/lora_finetune.py --adapter outputs/lora_finetune/adapter/final   # continue from saved adapters
+    python examples/lora_finetune.py --qlora      # QLoRA: the base's linear weights in 4-bit NF4 (torchao)
 
 The base model comes from a Hugging Face directory (``--model``); without one, a tiny random Llama is written to
 ``outputs/tiny-llama`` on the first run (nothing is downloaded). The text is Python's own standard-library source,
@@ -72,8 +73,8 @@ class ChunkDataset(Dataset):
         return self.windows[i]
 
 
-def tiny_llama(path: Path) -> Path:
-    """A small random Llama (4 layers, hidden 128, byte vocabulary), written on the first run.
+def tiny_llama(path: Path, **shape: int) -> Path:
+    """A small random Llama (4 layers, hidden 128, byte vocabulary; ``shape`` overrides), written on the first run.
 
     Any process may be first (a launcher, torchrun or SLURM task, on any machine): each writes a private copy (the
     same bytes: the seed is fixed) and renames it into place; whoever loses the race drops its copy.
@@ -83,10 +84,11 @@ def tiny_llama(path: Path) -> Path:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     torch.manual_seed(0)
-    config = LlamaConfig(
-        vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False,
-    )
+    config = LlamaConfig(**{
+        **dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_hidden_layers=4, num_attention_heads=4,
+               num_key_value_heads=2, max_position_embeddings=512, tie_word_embeddings=False),
+        **shape,
+    })
     tmp = path.with_name(f".{path.name}.tmp-{uuid.uuid4().hex[:8]}")
     LlamaForCausalLM(config).save_pretrained(tmp)
     try:
@@ -103,7 +105,7 @@ class LoRAFineTune(L.LightningModule):
     """Causal-LM fine-tuning of LoRA adapters on a pretrained model that is built in ``configure_model``."""
 
     def __init__(self, model_dir: str, adapter: str | None = None, rank: int = 8, lr: float = 3e-3,
-                 out: str = "outputs/lora_finetune", merge: bool = True) -> None:
+                 out: str = "outputs/lora_finetune", merge: bool = True, qlora: bool = False) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.model: torch.nn.Module | None = None
@@ -118,7 +120,8 @@ class LoRAFineTune(L.LightningModule):
         hp = self.hparams
         # On the meta device under FSDP2Strategy: no memory yet. The weights are read after sharding.
         base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hp.model_dir))
-        load_pretrained(base, hp.model_dir)
+        # QLoRA: the base's linear weights stored in 4-bit NF4 (torchao), quantized as they are read.
+        load_pretrained(base, hp.model_dir, quantize="nf4" if hp.qlora else None)
         if hp.adapter:
             lora = LoraConfig.from_pretrained(hp.adapter)
             lora.inference_mode = False  # saved adapters are marked for inference; we train them further
@@ -228,11 +231,19 @@ def main() -> None:
     parser.add_argument("--lr", type=float, default=3e-3)
     parser.add_argument("--export-every", type=int, default=0, help="also save the adapters every N steps")
     parser.add_argument("--merge", action=argparse.BooleanOptionalAction, default=True, help="write the merged model")
+    parser.add_argument("--qlora", action="store_true",
+                        help="QLoRA: store the base's linear weights in 4-bit NF4 (needs lightning-fsdp2[qlora])")
     parser.add_argument("--start-method", default="popen", choices=["popen", "spawn", "fork", "forkserver"])
     parser.add_argument("--out", default="outputs/lora_finetune")
     args = parser.parse_args()
 
-    model_dir = Path(args.model) if args.model else tiny_llama(Path("outputs/tiny-llama"))
+    if args.model:
+        model_dir = Path(args.model)
+    elif args.qlora:  # NF4 quantizes blocks of 16,384 values, split evenly over the processes: wider projections
+        model_dir = tiny_llama(Path("outputs/tiny-llama-qlora"), hidden_size=256, intermediate_size=512,
+                               num_key_value_heads=4)
+    else:
+        model_dir = tiny_llama(Path("outputs/tiny-llama"))
     L.seed_everything(0)
     from transformers import AutoConfig
 
@@ -242,7 +253,7 @@ def main() -> None:
     val = DataLoader(ChunkDataset(tokens[split:], args.seq_len), batch_size=args.batch_size)
 
     Path(args.out).mkdir(parents=True, exist_ok=True)
-    module = LoRAFineTune(str(model_dir), args.adapter, args.rank, args.lr, args.out, args.merge)
+    module = LoRAFineTune(str(model_dir), args.adapter, args.rank, args.lr, args.out, args.merge, args.qlora)
     strategy = FSDP2Strategy(
         activation_checkpointing_policy=is_decoder_layer,
         start_method=args.start_method,

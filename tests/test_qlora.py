@@ -288,3 +288,89 @@ def test_qlora_exports_a_peft_adapter_and_a_dequantized_merged_model(start: tupl
     with torch.no_grad():
         got, want = merged(input_ids=tokens).logits.float(), reference(input_ids=tokens).logits.float()
     assert (got - want).abs().max() < 5e-2
+
+
+# --------------------------------------------------------------------------- bad input
+def _deferred_error(base: str, adapter: str, case: str) -> str:
+    """A Trainer run whose QLoRA cannot be built: the message every rank raises."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from lightning_fsdp2 import FSDP2Strategy, load_pretrained
+
+    class Broken(QLoRAModule):
+        def configure_model(self) -> None:
+            if self.model is not None:
+                return
+            config = tiny_llama_config() if case == "shape" else _config()
+            model = LlamaForCausalLM(config)
+            load_pretrained(model, self.base, quantize="nf4", strict=False)
+            # "trainable": no peft, so the quantized weights would be trained
+            self.model = model if case == "trainable" else get_peft_model(model, LoraConfig(**LORA))
+
+    trainer = L.Trainer(accelerator="cpu", devices=world(), strategy=FSDP2Strategy(), max_steps=1,
+                        limit_val_batches=0, num_sanity_val_steps=0, **quiet_trainer_kwargs())
+    try:
+        trainer.fit(Broken(base, adapter))
+    except Exception as err:  # noqa: BLE001 - the message is what the test checks
+        return f"{type(err).__name__}: {err}"
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("shape", r"ValueError: load_pretrained\(quantize='nf4'\) cannot quantize 14 weight\(s\): .*has shape \(64, 64\):"
+                  r" NF4 quantizes blocks of 64 values .* must be a multiple of 16384 x 2.*skip=\[...\]"),
+        ("trainable", r"ValueError: load_pretrained\(quantize='nf4'\) cannot quantize .* is trainable \(NF4 weights are"
+                      r" frozen: wrap the model with peft's get_peft_model"),
+    ],
+)
+def test_qlora_that_cannot_be_built_is_refused_on_every_rank(
+    start: tuple[str, str], tmp_path: Path, case: str, expected: str
+) -> None:
+    """Weights NF4 cannot split into the world size's shards (the hidden-64 Llama), or that would be trained:
+    one ValueError on every rank, before anything is allocated, naming the weights and the way out."""
+    import re
+
+    from tests.models import save_tiny_pretrained
+
+    base = str(save_tiny_pretrained(tmp_path / "small")) if case == "shape" else start[0]
+    for message in run_distributed(_deferred_error, 2, base, start[1], case):
+        assert re.search(expected, message), message
+
+
+def test_qlora_arguments_are_checked_when_load_pretrained_is_called(start: tuple[str, str]) -> None:
+    """An unknown quantization, `skip` given as a string, and a dtype torchao's to_nf4 does not take (float64, on a
+    model built for real: quantized at once) are refused with the choices."""
+    from transformers import LlamaForCausalLM
+
+    from lightning_fsdp2 import load_pretrained
+
+    model = LlamaForCausalLM(_config())
+    with pytest.raises(ValueError, match="the supported quantization is 'nf4'"):
+        load_pretrained(model, start[0], quantize="int8")
+    with pytest.raises(TypeError, match="takes a list of module names"):
+        load_pretrained(model, start[0], quantize="nf4", skip="down_proj")
+    with pytest.raises(ValueError, match=r"is torch.float64; torchao's to_nf4 takes float32, bfloat16 or float16"):
+        load_pretrained(model.double(), start[0], quantize="nf4")
+
+
+def test_without_torchao_the_error_names_the_extra(start: tuple[str, str]) -> None:
+    """Where torchao is not installed (hidden from the import system here), quantize="nf4" says which extra to
+    install."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; sys.modules['torchao'] = None\n"
+        "from transformers import LlamaForCausalLM\n"
+        "from lightning_fsdp2 import load_pretrained\n"
+        "from tests.models import tiny_llama_config\n"
+        f"load_pretrained(LlamaForCausalLM(tiny_llama_config()), {start[0]!r}, quantize='nf4', strict=False)\n"
+    )
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode != 0
+    assert "ImportError: load_pretrained(..., quantize='nf4') stores the base in torchao's NF4Tensor" in proc.stderr
+    assert "pip install lightning-fsdp2[qlora]" in proc.stderr

@@ -83,3 +83,24 @@ def test_fabric_example_runs_and_resumes_at_another_world_size(tmp_path: Path) -
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert f"resumed from {tmp_path / 'checkpoint.pt'} at step 2" in resumed.stdout
     assert "after 3 steps" in resumed.stdout
+
+
+@pytest.mark.slow
+def test_example_with_qlora(tmp_path: Path) -> None:
+    """`examples/lora_finetune.py --qlora`: the base in NF4 (torchao), LoRA trained in fp32 on it; the loss falls and
+    the merged model (dequantized base, bf16) loads without peft or torchao."""
+    pytest.importorskip("torchao")
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "RANK", "NODE_RANK")}
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "examples" / "lora_finetune.py"), "--qlora", "--max-steps", "3",
+         "--out", str(tmp_path)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
+    )
+    assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
+    before, after = map(float, (tmp_path / "val_loss.txt").read_text().split())
+    assert after < before
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert merged.model.layers[0].self_attn.q_proj.weight.dtype == torch.bfloat16
