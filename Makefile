@@ -28,6 +28,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/throughput.py --scaling --repeats 2
 	$(PY) benchmarks/load_pretrained.py --size large --repeats 3
 	$(PY) benchmarks/save.py --sizes small medium large --async-size large --repeats 3
+	$(PY) benchmarks/memory.py --size large --steps 4
 	$(PY) benchmarks/report.py
 
 clean:

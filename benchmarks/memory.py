@@ -53,12 +53,41 @@ def _local_bytes(tensor: torch.Tensor) -> int:
     return local.numel() * local.element_size()
 
 
-class Fine(L.LightningModule):
+class Timed(L.LightningModule):
+    """LoRA steps on random tokens, timed; the peak RSS since ``configure_model`` started (``rss_start_kb``)."""
+
+    vocab = 32000
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.model = None
+        self.result: dict = {"step_seconds": [], "losses": []}
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.result["losses"].append(float(loss.detach()))
+        return loss
+
+    def on_train_batch_end(self, *args) -> None:
+        now = time.perf_counter()
+        self.result["step_seconds"].append(now - self._t)
+        self._t = now
+
+    def on_train_end(self) -> None:
+        self.result["peak_kb"] = _status_kb("VmHWM") - self.result["rss_start_kb"]
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
+
+    def train_dataloader(self) -> DataLoader:
+        data = torch.randint(0, self.vocab, (64, SEQ), generator=torch.Generator().manual_seed(0))
+        return DataLoader(data, batch_size=BATCH)
+
+
+class Fine(Timed):
     def __init__(self, size: str, checkpoint: str, layout: str) -> None:
         super().__init__()
         self.size, self.checkpoint, self.layout = size, checkpoint, layout
-        self.model = None
-        self.result: dict = {"step_seconds": []}
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -86,24 +115,6 @@ class Fine(L.LightningModule):
                 groups["rest of the base"] += _local_bytes(param)
         self.result["param_bytes"] = groups
         self._t = time.perf_counter()
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return self.model(input_ids=batch, labels=batch).loss
-
-    def on_train_batch_end(self, *args) -> None:
-        now = time.perf_counter()
-        self.result["step_seconds"].append(now - self._t)
-        self._t = now
-
-    def on_train_end(self) -> None:
-        self.result["peak_kb"] = _status_kb("VmHWM") - self.result["rss_start_kb"]
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
-
-    def train_dataloader(self) -> DataLoader:
-        data = torch.randint(0, 32000, (64, SEQ), generator=torch.Generator().manual_seed(0))
-        return DataLoader(data, batch_size=BATCH)
 
 
 def _run(size: str, checkpoint: str, layout: str, steps: int) -> dict:

@@ -2,7 +2,7 @@
 
     python benchmarks/report.py      # run by `make bench` after the benchmarks
 
-Reads ``benchmarks/results/*.json`` and ``*.md`` (written by throughput.py, load_pretrained.py and save.py); sections
+Reads ``benchmarks/results/*.json`` and ``*.md`` (written by throughput.py, load_pretrained.py, save.py and memory.py); sections
 whose results are missing say so.
 """
 
@@ -22,6 +22,8 @@ SECTIONS = [
      "plus whole-state-dict load then sharding, and against reading the rank's share of the bytes."),
     ("Saving", "save", "Full and sharded checkpoints as the model grows, against Lightning's ModelParallelStrategy; "
      "asynchronous sharded saves during training."),
+    ("LoRA memory: fp32, bf16, fp32 adapters on bf16, NF4 (QLoRA)", "memory", "The same LoRA fine-tune in four "
+     "storage layouts: parameter bytes and peak memory per rank, and throughput."),
 ]
 
 

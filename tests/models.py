@@ -119,6 +119,21 @@ class LlamaModule(L.LightningModule):
         return DataLoader(TokenDataset(8, seed=1), batch_size=self.batch_size)
 
 
+def train_plainly(model: nn.Module, steps: int, global_batch: int = 8) -> list[float]:
+    """A single-process reference without this package: SGD (lr 0.1, momentum 0.9) over the trainable parameters,
+    the first ``steps`` global batches of ``TokenDataset(32)`` in order; returns the losses."""
+    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
+    data, losses = TokenDataset(32).data, []
+    for step in range(steps):
+        batch = data[step * global_batch : (step + 1) * global_batch]
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        losses.append(float(loss))
+    return losses
+
+
 def probe_logits(model: nn.Module) -> torch.Tensor:
     """A causal LM's logits (fp32) on a fixed batch, to compare models without training them."""
     with torch.no_grad():

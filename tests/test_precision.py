@@ -121,7 +121,7 @@ def _fit_layout(start: dict, adapter_dtype: torch.dtype | None) -> dict:
 def _reference_layout(start: dict) -> dict:
     """One process, no lightning_fsdp2: the LoRA Llama stored as peft stores it on a bf16 base (the model cast to
     bf16, the adapters back to fp32), trained by plain torch on the global batch."""
-    from tests.models import LlamaModule, TokenDataset
+    from tests.models import LlamaModule, train_plainly
 
     module = LlamaModule()
     module.configure_model()
@@ -130,15 +130,7 @@ def _reference_layout(start: dict) -> dict:
         if "lora_" in name:
             param.data = param.data.float()
     model.load_state_dict({k.removeprefix("model."): v for k, v in start.items()})
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
-    data, losses = TokenDataset(32).data, []
-    for step in range(3):
-        batch = data[step * 8 : (step + 1) * 8]
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss))
+    losses = train_plainly(model, 3)
     return {"state": {f"model.{k}": v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses}
 
 

@@ -14,7 +14,7 @@ import pytest
 import torch
 
 from tests.helpers import run_distributed
-from tests.models import TokenDataset, quiet_trainer_kwargs, tiny_llama_config, world
+from tests.models import TokenDataset, quiet_trainer_kwargs, tiny_llama_config, train_plainly, world
 
 pytest.importorskip("torchao")
 
@@ -70,15 +70,7 @@ def _reference(base: str, adapter: str, dtype: torch.dtype) -> dict:
             module.weight = torch.nn.Parameter(to_nf4(module.weight.detach()), requires_grad=False)
             nf4[f"{name}.weight"] = _nf4_parts(module.weight)
     model = PeftModel.from_pretrained(model, adapter, is_trainable=True, autocast_adapter_dtype=True)
-    optimizer = torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.1, momentum=0.9)
-    data, losses = TokenDataset(32).data, []
-    for step in range(STEPS):
-        batch = data[step * 8 : (step + 1) * 8]
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        optimizer.step()
-        optimizer.zero_grad()
-        losses.append(float(loss))
+    losses = train_plainly(model, STEPS)
     adapters = {k: v.detach().clone() for k, v in model.state_dict().items() if "lora_" in k}
     return {"nf4": nf4, "adapters": adapters, "losses": losses}
 
