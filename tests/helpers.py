@@ -78,3 +78,11 @@ def _entry(rank: int, world_size: int, port: int, out: str, fn: Callable[..., An
         Path(out, f"{rank}.err").write_text(traceback.format_exc())
         raise
     torch.save(result, Path(out, f"{rank}.pt"))
+    # Shut the process group down together before the interpreter exits: left to the exit, gloo's threads were
+    # sometimes torn down while a peer still used them (a worker killed by SIGSEGV/SIGABRT after its work was done;
+    # seen in CI about once per full run). The same as the strategy's spawn launcher does.
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        dist.barrier()
+        dist.destroy_process_group()
