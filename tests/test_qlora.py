@@ -357,19 +357,29 @@ def test_qlora_arguments_are_checked_when_load_pretrained_is_called(start: tuple
 
 def test_without_torchao_the_error_names_the_extra(start: tuple[str, str]) -> None:
     """Where torchao is not installed (hidden from the import system here), quantize="nf4" says which extra to
-    install."""
+    install, and loads without quantize run as before (they must not need torchao)."""
     import subprocess
     import sys
 
     code = (
+        f"QLORA = {QLORA_SHAPE!r}\n"
         "import sys; sys.modules['torchao'] = None\n"
         "from transformers import LlamaForCausalLM\n"
         "from lightning_fsdp2 import load_pretrained\n"
         "from tests.models import tiny_llama_config\n"
-        f"load_pretrained(LlamaForCausalLM(tiny_llama_config()), {start[0]!r}, quantize='nf4', strict=False)\n"
+        "from lightning_fsdp2.checkpoint.pretrained import DeferredLoads\n"
+        "from lightning_fsdp2.init import meta_init_context\n"
+        "deferred = DeferredLoads()\n"
+        "with meta_init_context(), deferred.collecting():\n"
+        "    model = LlamaForCausalLM(tiny_llama_config(**QLORA))\n"
+        f"    load_pretrained(model, {start[0]!r}, strict=False)\n"
+        "assert deferred.take(model).quantize(model, 2) == set()\n"
+        "print('plain load planned without torchao')\n"
+        f"load_pretrained(LlamaForCausalLM(tiny_llama_config(**QLORA)), {start[0]!r}, quantize='nf4', strict=False)\n"
     )
     root = Path(__file__).resolve().parents[1]
     proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert proc.returncode != 0
+    assert "plain load planned without torchao" in proc.stdout, proc.stderr[-2000:]
     assert "ImportError: load_pretrained(..., quantize='nf4') stores the base in torchao's NF4Tensor" in proc.stderr
     assert "pip install lightning-fsdp2[qlora]" in proc.stderr

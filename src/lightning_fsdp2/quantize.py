@@ -101,6 +101,8 @@ def check_nf4_targets(
     """Raise one error listing every weight that cannot be stored in NF4 here: trainable (NF4 weights are frozen;
     peft's ``get_peft_model`` freezes the base), of a dtype ``to_nf4`` does not take, or of a size NF4's blocks cannot
     split into ``world_size`` equal shards. Called before anything is allocated; the same on every rank."""
+    if not names:
+        return  # nothing to quantize: torchao is not needed (it is an optional dependency)
     nf4_module()
     block = _BLOCK_SIZE * _SCALER_BLOCK_SIZE
     params = dict(module.named_parameters())
