@@ -202,6 +202,53 @@ def test_skip_leaves_modules_unquantized(start: tuple[str, str]) -> None:
     assert "base_model.model.model.layers.0.self_attn.q_proj.base_layer.weight" in names
 
 
+def _whole_nf4_while_sharding(base: str, adapter: str) -> dict:
+    """Fit one step with a wrap policy that, each time FSDP2Strategy asks it about a module (just before sharding the
+    groups, bottom-up), counts the NF4 weights some rank holds whole (not yet split into a DTensor); and count the
+    weights this rank quantized itself (torchao's `to_nf4` calls)."""
+    from torch.distributed.tensor import DTensor
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    from lightning_fsdp2 import FSDP2Strategy
+    from lightning_fsdp2.quantize import is_nf4
+
+    module = QLoRAModule(base, adapter)
+    seen: list[int] = []
+    made: list[tuple[int, ...]] = []
+    to_nf4 = nf4_tensor.to_nf4
+
+    def counting_to_nf4(tensor: torch.Tensor, *args: Any) -> Any:
+        made.append(tuple(tensor.shape))
+        return to_nf4(tensor, *args)
+
+    def blocks(name: str, sub: torch.nn.Module) -> bool:
+        seen.append(sum(is_nf4(p) and not isinstance(p, DTensor) for p in module.model.parameters()))
+        return isinstance(sub, LlamaDecoderLayer)
+
+    nf4_tensor.to_nf4 = counting_to_nf4
+    try:
+        L.Trainer(accelerator="cpu", devices=world(), strategy=FSDP2Strategy(auto_wrap_policy=blocks),
+                  precision="32-true", max_steps=1, **quiet_trainer_kwargs()).fit(module)
+    finally:
+        nf4_tensor.to_nf4 = to_nf4
+    return {"whole": seen, "nf4": sum(is_nf4(p) for p in module.model.parameters()), "made": len(made)}
+
+
+def test_each_group_is_quantized_just_before_it_is_sharded_and_the_ranks_share_the_work(
+    start: tuple[str, str],
+) -> None:
+    """A rank never holds the whole NF4 base: a group's weights are quantized right before its fully_shard, so while
+    the groups are sharded no NF4 weight is left whole (quantizing the whole base first would show all 14 here). Each
+    rank quantizes half of the weights and receives the other half (identical bytes to one process: see
+    test_qlora_matches_a_hand_built_qlora_in_one_process)."""
+    ranks = run_distributed(_whole_nf4_while_sharding, 2, *start)
+    for rank in ranks:
+        assert rank["nf4"] == 14  # 2 layers x 7 projections
+        assert rank["whole"] and max(rank["whole"]) == 0, rank["whole"]
+    assert [rank["made"] for rank in ranks] == [7, 7]
+
+
 # --------------------------------------------------------------------------- checkpoints and exports
 def _fit_epochs(base: str, adapter: str, epochs: int, state_dict_type: str, save_to: str | None = None,
                 resume_from: str | None = None) -> dict:
@@ -373,7 +420,9 @@ def test_without_torchao_the_error_names_the_extra(start: tuple[str, str]) -> No
         "with meta_init_context(), deferred.collecting():\n"
         "    model = LlamaForCausalLM(tiny_llama_config(**QLORA))\n"
         f"    load_pretrained(model, {start[0]!r}, strict=False)\n"
-        "assert deferred.take(model).quantize(model, 2) == set()\n"
+        "pending = deferred.take(model)\n"
+        "pending.check_quantize(model, 2)\n"
+        "assert pending.quantize(model) == set()\n"
         "print('plain load planned without torchao')\n"
         f"load_pretrained(LlamaForCausalLM(tiny_llama_config(**QLORA)), {start[0]!r}, quantize='nf4', strict=False)\n"
     )

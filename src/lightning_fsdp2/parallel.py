@@ -10,7 +10,7 @@ argument and everything it finds out is returned; nothing is stored on the user'
 2. tensors built for real are made the same on every rank (rank 0's), so shards of one tensor fit together;
 3. activation checkpointing on the chosen modules (``wrap.py``), before any FSDP hook exists;
 4. ``fully_shard`` bottom-up, then the roots (``wrap.py``); weights loaded with ``quantize="nf4"`` are read whole and
-   quantized just before, one at a time (``quantize.py``), and split by it like any other;
+   quantized just before their group's, one at a time (``quantize.py``), and split by it like any other;
 5. each rank materializes its own shards, initializes what no pretrained weights cover (``init.py``), loads the slices
    of pretrained weights that ``load_pretrained`` declared (``checkpoint/pretrained.py``), derives what depends on
    them (DoRA magnitudes), then checks nothing was left unset.
@@ -129,11 +129,20 @@ def parallelize(
     if options.activation_checkpointing_policy is not None:
         checkpointed = apply_activation_checkpointing(module, options.activation_checkpointing_policy)
         no_kv_cache_in_training(module, checkpointed)
-    # QLoRA: the weights declared with quantize="nf4" become whole NF4 tensors now; fully_shard splits them below.
-    quantized = pretrained.quantize(module, mesh.size())
-    # At world size 1 there is nothing to split, and torchao's NF4 does not take FSDP2's single-rank all-gather
-    # (fsdp_post_all_gather receives one output): NF4 weights then stay plain, unmanaged by FSDP2.
-    alone = {p for n, p in module.named_parameters() if n in quantized} if mesh.size() == 1 else None
+    # QLoRA: the weights declared with quantize="nf4" become whole NF4 tensors just before the fully_shard of their
+    # group, which splits them: beyond its shards a rank holds one group's whole NF4 weights, never the whole base.
+    pretrained.check_quantize(module, mesh.size())
+    quantized: set[str] = set()
+    alone = None
+    if mesh.size() == 1:
+        # At world size 1 there is nothing to split, and torchao's NF4 does not take FSDP2's single-rank all-gather
+        # (fsdp_post_all_gather receives one output): NF4 weights then stay plain, unmanaged by FSDP2.
+        quantized = pretrained.quantize(module, device=device)
+        alone = {p for n, p in module.named_parameters() if n in quantized}
+
+    def quantize_group(name: str, group: nn.Module) -> None:
+        quantized.update(pretrained.quantize(module, within=name, device=device))
+
     shard_model(
         module,
         mesh,
@@ -143,6 +152,7 @@ def parallelize(
         reshard_after_forward=options.reshard_after_forward,
         model_is_root=module_is_root,
         ignored_params=alone,
+        before_group=quantize_group,
     )
     # Offloaded shards live in CPU memory; FSDP2 copies them to the device when it gathers them.
     storage = torch.device("cpu") if options.offload_policy is not None else device

@@ -1,13 +1,14 @@
 """QLoRA's frozen base: linear weights stored in 4-bit NF4 (torchao's ``NF4Tensor``), quantized as they are loaded.
 
-``load_pretrained(model, source, quantize="nf4")`` names the weights; when the load runs (after the model is built,
-before ``fully_shard``), each one is read whole from the source (one at a time: at most one tensor in high
-precision), cast to its parameter's dtype, quantized by torchao's ``to_nf4`` and put in place of the parameter.
+``load_pretrained(model, source, quantize="nf4")`` names the weights; when the model is sharded, just before the
+``fully_shard`` of each group, that group's weights are read whole from the source (one at a time: at most one tensor
+in high precision), cast to the parameter's dtype, quantized by torchao's ``to_nf4`` and put in place of the parameter.
+The ranks share the work: each reads and quantizes every N-th weight of the group and broadcasts the NF4 bytes.
 ``fully_shard`` then splits the quantized tensor along dim 0 at block boundaries (torchao implements the split FSDP2
 uses), so every rank keeps only its shard of the very bytes one process would hold: quantizing each whole tensor
 once and sharding the result is what makes world size N identical to one process (NF4's double quantization has a
-per-tensor mean, so quantizing slices separately would differ). Until a weight's block is sharded, each rank holds
-that whole NF4 weight (about a quarter of bf16): the whole NF4 base at most, briefly, before sharding starts.
+per-tensor mean, so quantizing slices separately would differ). Beyond its shards, each rank holds one group's
+whole NF4 weights at a time (about a quarter of their bf16 bytes), never the whole NF4 base.
 
 torchao is an optional dependency: ``pip install lightning-fsdp2[qlora]``.
 """
@@ -130,16 +131,43 @@ def check_nf4_targets(
         )
 
 
-def quantize_into(module: nn.Module, name: str, whole: Tensor) -> None:
-    """Replace the parameter ``name`` of ``module`` by ``whole`` (cast to the parameter's dtype) quantized to NF4,
-    frozen."""
-    nf4 = nf4_module()
+def to_nf4(param: Tensor, whole: Tensor) -> Tensor:
+    """``whole`` (the full values of the parameter ``param``), cast to ``param``'s dtype and quantized to NF4."""
+    return nf4_module().to_nf4(whole.to(param.dtype).contiguous(), _BLOCK_SIZE, _SCALER_BLOCK_SIZE)
+
+
+def put_in_place(module: nn.Module, name: str, quantized: Tensor) -> None:
+    """Replace the parameter ``name`` of ``module`` by the NF4 tensor ``quantized``, frozen."""
     owner_name, _, leaf = name.rpartition(".")
     owner = module.get_submodule(owner_name)
-    param = owner._parameters[leaf]
-    assert param is not None
-    quantized = nf4.to_nf4(whole.to(param.dtype).contiguous(), _BLOCK_SIZE, _SCALER_BLOCK_SIZE)
     owner._parameters[leaf] = nn.Parameter(quantized, requires_grad=False)
+
+
+def broadcast_nf4(quantized: Tensor | None, src: int, device: torch.device) -> Tensor:
+    """The NF4 tensor rank ``src`` quantized (``quantized`` there, ``None`` elsewhere), on every rank, as the same
+    bytes: its inner tensors (codes, scales, their factors) are broadcast through torch's subclass protocol
+    (``__tensor_flatten__``/``__tensor_unflatten__``), so no rank quantizes it again. Through ``device`` for
+    backends that move only device memory (NCCL); the result stays in CPU memory, as a locally quantized one."""
+    import torch.distributed as dist
+
+    owner = dist.get_rank() == src
+    layout: list[Any] = [None]
+    if owner:
+        assert quantized is not None
+        names, context = quantized.__tensor_flatten__()
+        inner = {n: getattr(quantized, n) for n in names}
+        layout = [(context, tuple(quantized.shape), quantized.stride(),
+                   [(n, tuple(t.shape), t.dtype) for n, t in inner.items()])]
+    # Our own processes' metadata (shapes, dtypes, block sizes), never data from a file.
+    dist.broadcast_object_list(layout, src=src, device=device if device.type != "cpu" else None)
+    context, shape, stride, specs = layout[0]
+    received = {}
+    for name, size, dtype in specs:
+        tensor = inner[name] if owner else torch.empty(size, dtype=dtype)
+        staged = tensor if tensor.device == device else tensor.to(device)
+        dist.broadcast(staged, src=src)
+        received[name] = tensor if owner else staged.to(tensor.device)
+    return quantized if owner else nf4_module().NF4Tensor.__tensor_unflatten__(received, context, shape, stride)
 
 
 def dequantized(tensor: Tensor) -> Tensor:

@@ -128,6 +128,7 @@ def shard_model(
     reshard_after_forward: bool | int = True,
     model_is_root: bool = False,
     ignored_params: set[nn.Parameter] | None = None,
+    before_group: Callable[[str, nn.Module], None] | None = None,
 ) -> list[str]:
     """Apply ``fully_shard`` to the selected modules bottom-up, then to the roots; return the groups' names.
 
@@ -139,6 +140,7 @@ def shard_model(
     ``model`` the single root; its steps must then run through its ``__call__`` (the strategy sees to that).
     ``model_is_root``: ``model`` is the root whatever it holds, for a front-end that calls ``model`` itself (Fabric
     calls the module given to ``setup_module``). ``ignored_params``: parameters FSDP2 leaves alone (whole, local).
+    ``before_group(name, module)`` runs just before each ``fully_shard`` (QLoRA quantizes the group's weights there).
 
     Two kinds of modules are never made groups of their own, whatever the policy says:
 
@@ -169,6 +171,8 @@ def shard_model(
             continue
         if not any(True for _ in module.parameters()) or _shares_parameters_outside(name, module, owners):
             continue
+        if before_group is not None:
+            before_group(name, module)
         fully_shard(module, **kwargs)
         groups.append(name)
     if not groups and _rank0():
@@ -185,6 +189,8 @@ def shard_model(
     for name in [""] if model_is_root else root_names(model):  # looks at the owners afresh: sharding replaced the grouped parameters
         root = model.get_submodule(name)
         if not isinstance(root, FSDPModule):  # a child the policy selected is a group, and a root, already
+            if before_group is not None:
+                before_group(name, root)
             fully_shard(root, **kwargs)
             groups.append(name)
         # `generate` does not go through the root's forward (peft's calls the Hugging Face model's, which calls the

@@ -25,7 +25,7 @@ from lightning_fsdp2.checkpoint.plan import (
     run_plan,
 )
 from lightning_fsdp2.checkpoint.sources import ConvertedSource, PretrainedSource, TensorSource, open_source
-from lightning_fsdp2.quantize import check_nf4_targets, check_quantize, nf4_targets, quantize_into
+from lightning_fsdp2.quantize import broadcast_nf4, check_nf4_targets, check_quantize, nf4_targets, put_in_place, to_nf4
 
 
 @dataclass
@@ -155,7 +155,9 @@ def declare_load(
     quantized = nf4_targets(module, list(plan.copies), skip) if quantize else []
     if quantized:  # built for real: quantized at once (the weights freeze now; peft freezes the base anyway)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        PendingPretrained([("", opened, plan, quantized)]).quantize(module, world, require_frozen=False)
+        pending = PendingPretrained([("", opened, plan, quantized)])
+        pending.check_quantize(module, world, require_frozen=False)
+        pending.quantize(module)
     run_plan(module, opened, plan)
 
 
@@ -267,28 +269,49 @@ class PendingPretrained:
     submodule's name, the source, the plan, and the weights to store in NF4."""
 
     loads: list[tuple[str, TensorSource, LoadPlan, list[str]]]
+    quantized_so_far: int = 0
+    """How many weights :meth:`quantize` has stored in NF4: the turns of the ranks go on from group to group."""
 
     @property
     def covered(self) -> set[str]:
         """Names (relative to the model) of the tensors these loads will give values."""
         return {f"{prefix}.{n}" if prefix else n for prefix, _, plan, _ in self.loads for n in plan.copies}
 
-    def quantize(self, root: nn.Module, world_size: int, require_frozen: bool = True) -> set[str]:
-        """Store the weights the loads quantize in NF4 now, before sharding (see :mod:`lightning_fsdp2.quantize`):
-        each read whole, one at a time, cast, quantized, put in place of its parameter; they leave the plans (the
-        rest is copied by :meth:`run` once the shards exist). Every weight is checked before any is read. Returns
-        their names relative to ``root``."""
+    def check_quantize(self, root: nn.Module, world_size: int, require_frozen: bool = True) -> None:
+        """Raise, before anything is read, for any weight the loads would quantize that NF4 cannot store here."""
         for prefix, source, plan, names in self.loads:
             shapes = {n: tuple(source.shape(plan.copies[n])) for n in names}
             check_nf4_targets(root.get_submodule(prefix), names, shapes, world_size, require_frozen)
-        done = set()
+
+    def quantize(self, root: nn.Module, within: str = "", device: torch.device | None = None) -> set[str]:
+        """Store in NF4 now, before sharding, the weights the loads quantize that lie in ``root``'s submodule
+        ``within`` (all of them by default; see :mod:`lightning_fsdp2.quantize`): each read whole, one at a time, cast,
+        quantized, put in place of its parameter; they leave the plans (the rest is copied by :meth:`run` once the
+        shards exist). Call :meth:`check_quantize` first. Returns their names relative to ``root``.
+
+        With a ``device``, on every rank of the process group together: rank r reads and quantizes the weights r,
+        r + N, r + 2N... (in file order, counted on from earlier calls) and each is broadcast from the rank that made
+        it, so every rank ends with the same whole NF4 tensors for 1/N of the reading and quantizing (which, at 7B,
+        is most of the set-up)."""
+        chosen = []
         for prefix, source, plan, names in self.loads:
-            sub = root.get_submodule(prefix)
-            for name in sorted(names, key=lambda n: source.where(plan.copies[n])):
-                key = plan.copies.pop(name)
-                quantize_into(sub, name, source.read(key, tuple(slice(None) for _ in source.shape(key))))
-                done.add(f"{prefix}.{name}" if prefix else name)
-        return done
+            full = {name: f"{prefix}.{name}" if prefix else name for name in names if name in plan.copies}
+            mine = [n for n, f in full.items() if not within or f.startswith(f"{within}.")]
+            for name in sorted(mine, key=lambda n: source.where(plan.copies[n])):
+                chosen.append((root.get_submodule(prefix), name, source, plan.copies.pop(name), full[name]))
+        shared = device is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
+        rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if shared else (0, 1)
+        made = {}  # this rank's share, quantized first: the ranks then work at the same time
+        for i, (sub, name, source, key, _) in enumerate(chosen, start=self.quantized_so_far):
+            if i % world == rank:
+                whole = source.read(key, tuple(slice(None) for _ in source.shape(key)))
+                made[i] = to_nf4(sub.get_parameter(name), whole)
+                del whole  # one weight in high precision at a time
+        for i, (sub, name, _, _, _) in enumerate(chosen, start=self.quantized_so_far):
+            quantized = broadcast_nf4(made.pop(i, None), i % world, device) if shared else made.pop(i)
+            put_in_place(sub, name, quantized)
+        self.quantized_so_far += len(chosen)
+        return {full for *_, full in chosen}
 
     def run(self, root: nn.Module) -> None:
         """Read each rank's slices into its materialized shards."""
