@@ -158,7 +158,9 @@ def main() -> None:
     stem = f"largest-{args.layout}-{shape}" + ("" if trim is None else "-trim")
     try:
         ranks = run_distributed(_run, 2, config, str(checkpoint), args.layout, args.steps, timeout=7200)
-    except RuntimeError as err:  # a rank killed for memory (the kernel's OOM killer: no swap here), or an error
+    except RuntimeError as err:
+        if "exited with -9" not in str(err):  # SIGKILL: the kernel's OOM killer (no swap here); anything else is a bug
+            raise
         failed = {"layout": args.layout, "parameters": n_params, "shape": vars(args), "fits": False,
                   "error": str(err)[-500:], "command": command}
         (out / f"{stem}.json").write_text(json.dumps(failed, indent=2) + "\n")

@@ -44,20 +44,36 @@ def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout
         ]
         for proc in procs:
             proc.start()
-        for proc in procs:
-            proc.join(timeout)
+        _wait(procs, timeout)
         failed = []
+        another = any(p.exitcode not in (None, 0) for p in procs)  # before the stuck ones are killed
         for rank, proc in enumerate(procs):
             if proc.is_alive():
                 proc.kill()
                 proc.join()
-                failed.append(f"rank {rank} timed out after {timeout} s")
+                failed.append(f"rank {rank} killed after another rank failed" if another
+                              else f"rank {rank} timed out after {timeout} s")
             elif proc.exitcode != 0:
                 err = Path(out, f"{rank}.err")
                 failed.append(f"rank {rank} exited with {proc.exitcode}:\n" + (err.read_text() if err.exists() else ""))
         if failed:
             raise RuntimeError("\n".join(failed))
         return [torch.load(Path(out, f"{rank}.pt"), weights_only=True) for rank in range(world_size)]
+
+
+def _wait(procs: list, timeout: float, grace: float = 60) -> None:
+    """Until every process has exited or ``timeout`` has passed. Once one has failed (an exception, or killed for
+    memory), the others get ``grace`` seconds: they are usually stuck in a collective with the dead one."""
+    import time
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        alive = [p for p in procs if p.is_alive()]
+        if not alive:
+            return
+        if any(p.exitcode not in (None, 0) for p in procs):
+            deadline = min(deadline, time.monotonic() + grace)
+        alive[0].join(0.5)
 
 
 def _entry(rank: int, world_size: int, port: int, out: str, fn: Callable[..., Any], args: tuple) -> None:
