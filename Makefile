@@ -6,7 +6,7 @@ PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
 PYTEST_ARGS ?=
 
-.PHONY: test demo bench clean
+.PHONY: test demo bench gpu-check clean
 
 $(PY):
 	$(PYTHON) -m venv $(VENV)
@@ -30,6 +30,13 @@ bench: $(STAMP)
 	$(PY) benchmarks/save.py --sizes small medium large --async-size large --repeats 3
 	$(PY) benchmarks/memory.py --size large --steps 4
 	$(PY) benchmarks/report.py
+
+# On a machine with a CUDA GPU and a CUDA build of torch (not the CPU pins above), with that machine's python3 and its
+# packages as they are: the tests marked `cuda` and a short single-GPU benchmark (benchmarks/results/gpu-*).
+GPU_PYTHON ?= python3
+gpu-check:
+	PYTHONPATH=src:. $(GPU_PYTHON) -m pytest -q -m cuda tests/test_cuda.py
+	PYTHONPATH=src:. $(GPU_PYTHON) benchmarks/gpu.py --repeats 2
 
 clean:
 	rm -rf $(VENV) outputs lightning_logs .pytest_cache

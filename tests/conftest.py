@@ -15,13 +15,17 @@ def pytest_addoption(parser: pytest.Parser) -> None:
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """`make test` skips the tests marked `slow` (the wide matrices, several fits each); `--runslow` runs them."""
-    if config.getoption("--runslow"):
-        return
-    skip = pytest.mark.skip(reason="slow: run with --runslow (make test PYTEST_ARGS=--runslow, or .ci/run)")
+    """`make test` skips the tests marked `slow` (the wide matrices, several fits each); `--runslow` runs them. Tests
+    marked `cuda` are skipped without a CUDA device (`make gpu-check` runs them where there is one)."""
+    import torch
+
+    slow = pytest.mark.skip(reason="slow: run with --runslow (make test PYTEST_ARGS=--runslow, or .ci/run)")
+    no_gpu = pytest.mark.skip(reason="needs a CUDA device (make gpu-check)")
     for item in items:
-        if "slow" in item.keywords:
-            item.add_marker(skip)
+        if "slow" in item.keywords and not config.getoption("--runslow"):
+            item.add_marker(slow)
+        if "cuda" in item.keywords and not torch.cuda.is_available():
+            item.add_marker(no_gpu)
 from tests.models import fit_resumable, save_tiny_pretrained
 
 

@@ -179,6 +179,22 @@ def test_qlora_matches_a_hand_built_qlora_in_one_process(start: tuple[str, str],
     assert ranks[0]["losses"] == pytest.approx(want["losses"], abs=1e-5)
 
 
+@pytest.mark.slow
+def test_qlora_under_hsdp_holds_one_process_bytes_in_each_replica(start: tuple[str, str]) -> None:
+    """`device_mesh=(2, 2)`: each weight is quantized once and split over a shard group of 2; both replicas hold the
+    reference's NF4 bytes, and after 3 SGD steps the adapters are within 1e-5 of the reference's."""
+    want = _reference(*start, torch.float32)
+    ranks = run_distributed(_fit_qlora, 4, *start, "32-true", {"device_mesh": (2, 2)})
+    for name, parts in want["nf4"].items():
+        for replica in (ranks[:2], ranks[2:]):
+            got = _whole(replica, _ours(name))
+            for key, value in parts.items():
+                assert torch.equal(got[key].reshape(-1), value.reshape(-1)), f"{name}: {key}"
+    for rank in ranks:
+        worst = max((rank["adapters"][k] - want["adapters"][k]).abs().max().item() for k in want["adapters"])
+        assert worst <= 1e-5, f"max abs diff of the adapters {worst}"
+
+
 def test_qlora_under_bf16_true_with_checkpointing_accumulation_and_clipping(start: tuple[str, str]) -> None:
     """bf16-true: the NF4 base holds bf16 (its embeddings and norms are bf16, the adapters fp32), with activation
     checkpointing, accumulation over 2 micro-batches and clipping; the loss is finite and falls."""

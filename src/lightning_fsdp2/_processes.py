@@ -23,14 +23,14 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_fsdp2.checkpoint.pretrained import DeferredLoads
 from lightning_fsdp2.parallel import ShardingOptions, validate_external_launch
 
 
 class ProcessesMixin:
-    """Devices, ranks, the process group, the 1-D ``"shard"`` mesh and the collectives of an FSDP2 strategy."""
+    """Devices, ranks, the process group, the device mesh and the collectives of an FSDP2 strategy."""
 
     parallel_devices: list[torch.device] | None
     cluster_environment: Any
@@ -67,7 +67,8 @@ class ProcessesMixin:
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The 1-D mesh over all processes that parameters are sharded on."""
+        """The mesh parameters are sharded on: 1-D ``("shard",)`` over all processes, or 2-D ``("replicate", "shard")``
+        with ``device_mesh=(replicate, shard)`` (HSDP)."""
         if self._device_mesh is None:
             raise RuntimeError(
                 "The device mesh exists only after the processes have been set up (in `fit`, or by `fabric.launch()`)."
@@ -116,7 +117,7 @@ class ProcessesMixin:
         super().setup_environment()  # type: ignore[misc]
         reset_seed()
         self.set_world_ranks()
-        self._sharding.check(self.world_size, self.root_device)  # type: ignore[attr-defined]
+        self._sharding.check(self.world_size, self.root_device, self.num_processes)  # type: ignore[attr-defined]
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -124,7 +125,7 @@ class ProcessesMixin:
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._timeout, device_id=device_id  # type: ignore[attr-defined]
         )
-        self._device_mesh = init_device_mesh(self.root_device.type, (self.world_size,), mesh_dim_names=("shard",))  # type: ignore[attr-defined]
+        self._device_mesh = self._sharding.build_mesh(self.root_device.type, self.world_size)  # type: ignore[attr-defined]
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         """Wait for all processes."""

@@ -33,6 +33,7 @@ from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _apply_filter, _BackwardSyncControl
 from lightning.fabric.utilities.types import _PATH, ReduceOp, _Stateful
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.optim import Optimizer
 
@@ -98,7 +99,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
 
     Takes the sharding and checkpoint arguments of the Trainer's :class:`lightning_fsdp2.FSDP2Strategy`, with the
     same meaning: ``auto_wrap_policy``, ``activation_checkpointing_policy``, ``mixed_precision``,
-    ``reshard_after_forward``, ``cpu_offload``, ``meta_init`` (what ``fabric.init_module()`` does when
+    ``reshard_after_forward``, ``cpu_offload``, ``device_mesh``, ``meta_init`` (what ``fabric.init_module()`` does when
     ``empty_init`` is not given), ``process_group_backend``, ``timeout``, ``state_dict_type`` and
     ``save_trainable_only``. Not here: ``start_method`` (Fabric starts processes by re-running the script, or
     runs under torchrun/SLURM) and ``async_save``.
@@ -123,6 +124,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         mixed_precision: MixedPrecisionPolicy | None = None,
         reshard_after_forward: bool | int = True,
         cpu_offload: bool | CPUOffloadPolicy = False,
+        device_mesh: tuple[int, int] | DeviceMesh | None = None,
         meta_init: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -146,6 +148,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
                 mixed_precision=mixed_precision,
                 reshard_after_forward=reshard_after_forward,
                 cpu_offload=cpu_offload,
+                device_mesh=device_mesh,
             ),
             meta_init=meta_init,
             process_group_backend=process_group_backend,

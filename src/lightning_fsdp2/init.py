@@ -189,13 +189,14 @@ def initialize_module(module: nn.Module, materialized: list[str], rules: list[In
 
     Only modules holding a materialized tensor are touched, so values that were real before (buffers computed during
     construction, parts built outside ``meta``) survive. On CPU meshes, where DTensor has no distributed RNG, random
-    draws use a per-rank seed derived from the current one, so shards of one weight are not copies of each other.
+    draws use a seed derived from the current one and the rank's shard coordinate, so shards of one weight are not
+    copies of each other, and replicas of one shard (HSDP) are.
     """
     if not materialized:
         return
     rules = default_init_rules() if rules is None else rules
     names = set(materialized)
-    with _distinct_rng_per_rank(module):
+    with _distinct_rng_per_shard(module):
         for rule in rules:
             rule(module, names)
 
@@ -462,7 +463,7 @@ def _outermost(module: nn.Module, cls: type) -> list[nn.Module]:
 
 
 @contextmanager
-def _distinct_rng_per_rank(module: nn.Module) -> Generator[None, None, None]:
+def _distinct_rng_per_shard(module: nn.Module) -> Generator[None, None, None]:
     from torch.distributed.tensor import DTensor
     from torch.distributed.tensor._random import is_rng_supported_mesh
 
@@ -478,8 +479,15 @@ def _distinct_rng_per_rank(module: nn.Module) -> Generator[None, None, None]:
         if is_rng_supported_mesh(dtensor.device_mesh):
             yield
             return
+        # The coordinate on the shard dimension (the last; the first of an HSDP mesh replicates): ranks holding
+        # the same shard draw the same values, ranks holding different shards different ones.
+        # The base seed is rank 0's: without `seed_everything` each process starts from its own random seed, and
+        # replicas would then differ.
+        mesh = dtensor.device_mesh
+        base = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
+        dist.broadcast(base, src=0)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed((torch.initial_seed() + 7919 * dist.get_rank()) % 2**63)
+            torch.manual_seed((int(base) + 7919 * mesh.get_local_rank(mesh.ndim - 1)) % 2**63)
             yield
 
 

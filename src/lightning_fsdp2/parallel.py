@@ -26,7 +26,7 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
 from lightning_fsdp2.checkpoint.pretrained import PendingPretrained
@@ -58,6 +58,9 @@ class ShardingOptions:
     mixed_precision: MixedPrecisionPolicy | None = None
     reshard_after_forward: bool | int = True
     offload_policy: OffloadPolicy | None = None
+    device_mesh: tuple[int, int] | DeviceMesh | None = None
+    """``None``: shard over every rank. ``(replicate, shard)``: HSDP, each parameter sharded over groups of ``shard``
+    ranks and replicated over ``replicate`` such groups. Or a ready 1-D (shard) or 2-D (replicate, shard) mesh."""
 
     @classmethod
     def from_arguments(
@@ -68,25 +71,84 @@ class ShardingOptions:
         mixed_precision: MixedPrecisionPolicy | None,
         reshard_after_forward: bool | int,
         cpu_offload: bool | OffloadPolicy,
+        device_mesh: tuple[int, int] | DeviceMesh | None = None,
     ) -> ShardingOptions:
         """The options from a strategy's arguments (``cpu_offload=True`` is FSDP2's ``CPUOffloadPolicy()``)."""
         offload = cpu_offload if isinstance(cpu_offload, OffloadPolicy) else (CPUOffloadPolicy() if cpu_offload else None)
-        return cls(auto_wrap_policy, activation_checkpointing_policy, mixed_precision, reshard_after_forward, offload)
+        if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
+            if not (isinstance(device_mesh, (tuple, list)) and len(device_mesh) == 2
+                    and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in device_mesh)):
+                raise TypeError(
+                    f"FSDP2Strategy(device_mesh={device_mesh!r}): pass a tuple (replicate, shard) of two positive ints"
+                    " (HSDP: each parameter sharded over `shard` ranks, replicated `replicate` times; their product is"
+                    " the number of processes), a DeviceMesh, or None to shard over every process."
+                )
+            device_mesh = (device_mesh[0], device_mesh[1])
+        return cls(auto_wrap_policy, activation_checkpointing_policy, mixed_precision, reshard_after_forward, offload,
+                   device_mesh)
 
-    def check(self, world_size: int, device: torch.device) -> None:
+    def check(self, world_size: int, device: torch.device, devices_per_node: int) -> None:
         """Raise, on every rank alike, for options that cannot work at this world size or on this device."""
         if self.offload_policy is not None and device.type == "cpu":
             raise ValueError(
                 "FSDP2Strategy(cpu_offload=True) moves parameters from an accelerator to CPU memory, but this run is"
                 " already on the CPU. Remove `cpu_offload`, or train on GPUs (`accelerator='cuda'`)."
             )
+        shard = self.check_mesh(world_size, devices_per_node)
         resharded = self.reshard_after_forward
-        if not isinstance(resharded, bool) and not (1 < resharded < world_size and world_size % resharded == 0):
+        if not isinstance(resharded, bool) and not (1 < resharded < shard and shard % resharded == 0):
             raise ValueError(
-                f"FSDP2Strategy(reshard_after_forward={resharded}) at world size {world_size}: an int is the size"
-                f" of the groups parameters are resharded to after forward, a divisor of {world_size} other than 1"
-                f" and {world_size} (those are reshard_after_forward=False and True)."
+                f"FSDP2Strategy(reshard_after_forward={resharded}) with parameters sharded over {shard} ranks: an int"
+                f" is the size of the groups parameters are resharded to after forward, a divisor of {shard} other"
+                f" than 1 and {shard} (those are reshard_after_forward=False and True)."
             )
+
+    def check_mesh(self, world_size: int, devices_per_node: int) -> int:
+        """Raise for a mesh that does not fit the processes; return the size of the shard groups."""
+        mesh = self.device_mesh
+        if mesh is None:
+            return world_size
+        if isinstance(mesh, DeviceMesh):
+            if mesh.ndim not in (1, 2) or mesh.size() != world_size:
+                raise ValueError(
+                    f"FSDP2Strategy(device_mesh=...) got a {mesh.ndim}-D mesh of {mesh.size()} ranks; it must be 1-D"
+                    f" (shard) or 2-D (replicate, shard) over all {world_size} processes."
+                )
+            return mesh.size(mesh.ndim - 1)
+        replicate, shard = mesh
+        if replicate * shard != world_size:
+            raise ValueError(
+                f"FSDP2Strategy(device_mesh=({replicate}, {shard})): {replicate} x {shard} = {replicate * shard}, but"
+                f" there are {world_size} processes (devices x num_nodes). Choose (replicate, shard) with"
+                f" replicate x shard = {world_size}, e.g. shard = the devices per node ({devices_per_node}) and"
+                f" replicate = the number of nodes."
+            )
+        # A shard group gathers every parameter in every step: inside one node (or over whole nodes) its traffic
+        # stays off, or evenly on, the slow link between nodes. A group that straddles node boundaries unevenly is
+        # almost always a mistake in the numbers.
+        if replicate > 1 and devices_per_node % shard and shard % devices_per_node:
+            raise ValueError(
+                f"FSDP2Strategy(device_mesh=({replicate}, {shard})): shard groups of {shard} ranks straddle nodes of"
+                f" {devices_per_node} devices. Make `shard` divide the devices per node (HSDP's usual layout: shard ="
+                f" {devices_per_node}, one shard group per node) or a multiple of it (groups of whole nodes)."
+            )
+        return shard
+
+    def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
+        """The mesh parameters are sharded on (after :meth:`check`): 1-D ``("shard",)``, or 2-D
+        ``("replicate", "shard")`` for HSDP, whose shard groups are consecutive ranks (the devices of one node)."""
+        mesh = self.device_mesh
+        if isinstance(mesh, DeviceMesh):
+            return mesh
+        if mesh is None:
+            return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
+        return init_device_mesh(device_type, mesh, mesh_dim_names=("replicate", "shard"))
+
+
+def shard_group_size(mesh: DeviceMesh) -> int:
+    """How many ranks each parameter is split over: the last dimension of the mesh (FSDP2's HSDP replicates over the
+    first of a 2-D mesh)."""
+    return mesh.size(mesh.ndim - 1)
 
 
 @dataclass
@@ -131,12 +193,14 @@ def parallelize(
         no_kv_cache_in_training(module, checkpointed)
     # QLoRA: the weights declared with quantize="nf4" become whole NF4 tensors just before the fully_shard of their
     # group, which splits them: beyond its shards a rank holds one group's whole NF4 weights, never the whole base.
-    pretrained.check_quantize(module, mesh.size())
+    shards = shard_group_size(mesh)
+    pretrained.check_quantize(module, shards)
     quantized: set[str] = set()
     alone = None
-    if mesh.size() == 1:
-        # At world size 1 there is nothing to split, and torchao's NF4 does not take FSDP2's single-rank all-gather
-        # (fsdp_post_all_gather receives one output): NF4 weights then stay plain, unmanaged by FSDP2.
+    if shards == 1:
+        # With one rank per shard group (world size 1, or HSDP with `shard=1`) there is nothing to split, and
+        # torchao's NF4 does not take FSDP2's single-rank all-gather (fsdp_post_all_gather receives one output): NF4
+        # weights then stay plain, unmanaged by FSDP2.
         quantized = pretrained.quantize(module, device=device)
         alone = {p for n, p in module.named_parameters() if n in quantized}
 

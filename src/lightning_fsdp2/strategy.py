@@ -36,6 +36,7 @@ from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from torch.optim import Optimizer
 
@@ -82,6 +83,11 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
             them to backward (least communication), an ``int`` reshards to groups of that many ranks.
         cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only); ``True`` or a
             ``CPUOffloadPolicy``.
+        device_mesh: ``None`` (default) shards every parameter over all processes. ``(replicate, shard)``: HSDP, each
+            parameter sharded over groups of ``shard`` consecutive ranks (the devices of one node) and replicated
+            over ``replicate`` such groups, so only the gradient all-reduce crosses between groups; ``replicate x
+            shard`` must be the number of processes and ``shard`` divide the devices per node (or be a multiple of
+            them). A ready ``DeviceMesh`` (1-D, or 2-D as ``(replicate, shard)``) is used as it is.
         meta_init: build parameters on ``meta`` in ``configure_model`` (default). ``False`` builds them for real on
             the CPU first and shards them afterwards (every rank then holds the whole model for a moment).
         process_group_backend: ``"gloo"``, ``"nccl"``...; default from the device (gloo on CPU, nccl on CUDA).
@@ -113,6 +119,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         mixed_precision: MixedPrecisionPolicy | None = None,
         reshard_after_forward: bool | int = True,
         cpu_offload: bool | CPUOffloadPolicy = False,
+        device_mesh: tuple[int, int] | DeviceMesh | None = None,
         meta_init: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -142,6 +149,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
                 mixed_precision=mixed_precision,
                 reshard_after_forward=reshard_after_forward,
                 cpu_offload=cpu_offload,
+                device_mesh=device_mesh,
             ),
             meta_init=meta_init,
             process_group_backend=process_group_backend,

@@ -96,16 +96,21 @@ def gather_tensor(
     buffer, so that gathering many tensors in turn reuses one block of memory (valid until the next call).
     ``discard=True`` (rank 0, after a failure): receive what the other ranks send, one shard's worth of memory at a
     time, and keep nothing, so that they are not left waiting."""
-    from torch.distributed.tensor import DTensor, Shard
+    from torch.distributed.tensor import DTensor
 
     # Always fresh memory: the result must never alias the live model (save_merged merges into it).
     if not isinstance(tensor, DTensor):
         return tensor.detach().to("cpu", copy=True) if rank0 and not discard else None
     mesh = tensor.device_mesh
-    if mesh.ndim != 1 or tuple(tensor.placements) != (Shard(0),) or tensor.ndim == 0 or tensor.shape[0] == 0:
+    layout = _fsdp_layout(tensor)
+    if layout is None:
         full = tensor.full_tensor()  # a layout FSDP2 does not make by default: the general (all-gather) path
         return full.to("cpu", copy=True).contiguous() if rank0 and not discard else None
-    group, world = mesh.get_group(), mesh.size()
+    if layout == "hsdp" and mesh.get_local_rank(0) != 0:
+        # Replicated over the first mesh dimension: every replica holds the same shards, so only the shard group of
+        # replica 0 (which holds rank 0) sends them; the other replicas have nothing to do.
+        return None
+    group, world = mesh.get_group(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
     rows = tensor.shape[0]
     chunk = math.ceil(rows / world)
     # With CPU offload the shards live in CPU memory, but NCCL only moves device memory.
@@ -149,9 +154,24 @@ def receive_bytes(tensor: Tensor) -> int:
 
     if not isinstance(tensor, DTensor) or tensor.ndim == 0 or tensor.shape[0] == 0:
         return 0
-    parts = tensor.device_mesh.size()
+    parts = tensor.device_mesh.size(tensor.device_mesh.ndim - 1)
     rows = math.ceil(tensor.shape[0] / parts) * parts
     return rows * math.prod(tensor.shape[1:]) * tensor.element_size()
+
+
+def _fsdp_layout(tensor: Any) -> str | None:
+    """``"fsdp"`` for a DTensor sharded along dim 0 over a 1-D mesh, ``"hsdp"`` for one replicated over the first
+    dimension of a 2-D mesh and sharded along dim 0 over the second; ``None`` for any other layout (or an empty one)."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    if tensor.ndim == 0 or tensor.shape[0] == 0:
+        return None
+    placements = tuple(tensor.placements)
+    if placements == (Shard(0),):
+        return "fsdp"
+    if placements == (Replicate(), Shard(0)):
+        return "hsdp"
+    return None
 
 
 def _drain(local: Tensor, group: Any, world: int) -> None:

@@ -1,0 +1,154 @@
+"""One GPU: LoRA fine-tuning throughput, MFU and peak GPU memory of FSDP2Strategy against its peers, side by side.
+
+A 1.1B Llama (hidden 2048, 22 layers, TinyLlama's shape; LoRA r=16 on q/k/v/o), `bf16-true`, sequence 1024, batch 4,
+on one CUDA device, in the same run, contenders alternating:
+
+- ``fsdp2``: ``FSDP2Strategy()`` at world size 1 (NCCL, FSDP2's hooks on every decoder layer);
+- ``model_parallel``: Lightning's ``ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)`` with the
+  hand-written per-layer ``fully_shard`` its docs show;
+- ``single``: Lightning's single-device strategy, no sharding (the compute bound on one GPU).
+
+Tokens/s over the timed steps (after warm-up, `torch.cuda.synchronize` before each clock read); MFU = 6 x parameters x
+tokens/s over the GPU's dense bf16 peak (from its name; left out for GPUs not in the table); peak = the largest
+``torch.cuda.max_memory_allocated`` of the fit. ``make gpu-check`` runs it after the CUDA-marked tests:
+
+    python benchmarks/gpu.py --repeats 2
+
+Writes ``benchmarks/results/gpu-throughput.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from tests.helpers import run_distributed  # noqa: E402
+
+CONFIG = dict(vocab_size=32000, hidden_size=2048, intermediate_size=5632, num_hidden_layers=22, num_attention_heads=32,
+              num_key_value_heads=4, max_position_embeddings=2048, tie_word_embeddings=False)
+SEQ, BATCH, WARMUP, TIMED = 1024, 4, 3, 10
+PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A800": 312e12, "L40S": 362e12,
+             "L4": 121e12, "A10": 125e12}  # dense bf16 FLOP/s, from the vendors' data sheets
+
+
+class LoRALlama(L.LightningModule):
+    def __init__(self, shard: bool = False) -> None:
+        super().__init__()
+        self.shard = shard
+        self.model = None
+        self.times: list[float] = []
+
+    def configure_model(self) -> None:
+        if self.model is not None:
+            return
+        from peft import LoraConfig, get_peft_model
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        torch.manual_seed(0)
+        model = LlamaForCausalLM(LlamaConfig(**CONFIG))
+        model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj",
+                                                                                      "o_proj"]))
+        if self.shard:  # the ModelParallelStrategy way: the user shards each layer, then the root
+            from torch.distributed.fsdp import fully_shard
+
+            mesh = self.device_mesh["data_parallel"]
+            for layer in model.base_model.model.model.layers:
+                fully_shard(layer, mesh=mesh)
+            fully_shard(model, mesh=mesh)
+        self.model = model
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        return self.model(input_ids=batch, labels=batch).loss
+
+    def on_train_batch_end(self, *args) -> None:
+        torch.cuda.synchronize()
+        self.times.append(time.perf_counter())
+
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
+
+    def train_dataloader(self) -> DataLoader:
+        data = torch.randint(0, CONFIG["vocab_size"], ((WARMUP + TIMED) * BATCH, SEQ),
+                             generator=torch.Generator().manual_seed(0))
+        return DataLoader(data, batch_size=BATCH)
+
+
+def _strategy(name: str):
+    if name == "fsdp2":
+        from lightning_fsdp2 import FSDP2Strategy
+
+        return FSDP2Strategy()
+    if name == "model_parallel":
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
+    return "auto"
+
+
+def _train(name: str) -> dict:
+    module = LoRALlama(shard=name == "model_parallel")
+    torch.cuda.reset_peak_memory_stats()
+    trainer = L.Trainer(accelerator="cuda", devices=1, strategy=_strategy(name), precision="bf16-true",
+                        max_steps=WARMUP + TIMED, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(module)
+    timed = module.times[WARMUP - 1:]
+    return {"tokens_per_s": TIMED * BATCH * SEQ / (timed[-1] - timed[0]),
+            "peak_gb": torch.cuda.max_memory_allocated() / 2**30, "gpu": torch.cuda.get_device_name()}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    if not torch.cuda.is_available():
+        raise SystemExit("benchmarks/gpu.py needs a CUDA device.")
+    names = ["fsdp2", "model_parallel", "single"]
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for repeat in range(args.repeats):
+        for name in names if repeat % 2 == 0 else list(reversed(names)):
+            (result,) = run_distributed(_train, 1, name, timeout=1200)
+            runs[name].append(result)
+            print(f"repeat {repeat}: {name}: {result['tokens_per_s']:.0f} tokens/s, {result['peak_gb']:.2f} GB",
+                  flush=True)
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    with torch.device("meta"):
+        n_params = sum(p.numel() for p in LlamaForCausalLM(LlamaConfig(**CONFIG)).parameters())
+    gpu = runs["fsdp2"][0]["gpu"]
+    peak = next((v for k, v in PEAK_BF16.items() if k in gpu), None)
+    rows = {}
+    for name, results in runs.items():
+        tps = statistics.median(r["tokens_per_s"] for r in results)
+        rows[name] = {"tokens_per_s": tps, "peak_gb": max(r["peak_gb"] for r in results),
+                      "mfu": 6 * n_params * tps / peak if peak else None}
+    command = f"python benchmarks/gpu.py --repeats {args.repeats}"
+    lines = [f"LoRA (r=16, q/k/v/o) on a {n_params / 1e9:.2f}B Llama, bf16-true, seq {SEQ}, batch {BATCH}, one {gpu},"
+             f" median of {args.repeats}.", "",
+             "| contender | tokens/s | FSDP2Strategy / contender | MFU | peak GPU memory (GB) |", "|---|---:|---:|---:|---:|"]
+    for name, row in rows.items():
+        mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
+        lines.append(f"| {name} | {row['tokens_per_s']:.0f} | {rows['fsdp2']['tokens_per_s'] / row['tokens_per_s']:.2f}x"
+                     f" | {mfu} | {row['peak_gb']:.2f} |")
+    lines += ["", f"Command: `{command}`"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu-throughput.json").write_text(json.dumps({"gpu": gpu, "rows": rows, "command": command}, indent=2) + "\n")
+    (out / "gpu-throughput.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()

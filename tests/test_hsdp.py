@@ -1,0 +1,225 @@
+"""HSDP: `FSDP2Strategy(device_mesh=(replicate, shard))` shards each parameter over groups of `shard` ranks and
+replicates it over `replicate` groups. Compared with one process built without this package (training), with the
+layout checked on every rank (so that a strategy ignoring the mesh fails), and resumed across layouts."""
+
+from __future__ import annotations
+
+import copy
+from pathlib import Path
+
+import lightning as L
+import pytest
+import torch
+
+from lightning_fsdp2 import FSDP2Strategy
+from tests.helpers import run_distributed
+from tests.models import (
+    LlamaModule,
+    assert_same_run,
+    fit_resumable,
+    fit_resumable_single_device,
+    full_state,
+    quiet_trainer_kwargs,
+)
+from tests.test_strategy import _assert_same_weights, _fit_reference, _start_state, _trainer_kwargs
+
+
+def _layout(module: torch.nn.Module) -> dict:
+    """The mesh and placements of the sharded parameters, and this rank's local rows of one weight."""
+    from torch.distributed.tensor import DTensor
+
+    params = [p for p in module.parameters() if isinstance(p, DTensor)]
+    q = module.model.get_submodule("base_model.model.model.layers.0.self_attn.q_proj.base_layer").weight
+    return {
+        "mesh": tuple(params[0].device_mesh.shape),
+        "names": params[0].device_mesh.mesh_dim_names,
+        "placements": sorted({str(p.placements) for p in params}),
+        "rows": q.to_local().shape[0],
+    }
+
+
+def _fit_hsdp(start_state: dict, module_kwargs: dict, trainer_kwargs: dict, mesh: tuple[int, int]) -> dict:
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    module = LlamaModule(start_state=start_state, **module_kwargs)
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=FSDP2Strategy(device_mesh=mesh),
+                        **_trainer_kwargs(**trainer_kwargs))
+    trainer.fit(module)
+    return {"state": full_state(module), "layout": _layout(module)}
+
+
+PARITY = {
+    "plain": ({"batch_size": 2}, {}),
+    "accumulate": ({"batch_size": 2}, {"accumulate_grad_batches": 2}),
+    "clip-norm": ({"batch_size": 2, "lr": 5e-2}, {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}),
+}
+
+
+def _check_hsdp(results: list[dict], replicate: int, shard: int) -> None:
+    for rank in results:
+        assert rank["layout"]["mesh"] == (replicate, shard)
+        assert rank["layout"]["names"] == ("replicate", "shard")
+        assert rank["layout"]["placements"] == ["(Replicate(), Shard(dim=0))"]
+        assert rank["layout"]["rows"] == 64 // shard  # q_proj: 64 rows split over the shard group only
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", list(PARITY))
+def test_hsdp_2x2_matches_one_process(case: str) -> None:
+    """World size 4 as 2 replicas x 2 shards, each rank its own quarter of every global batch: the weights of one
+    process after 3 SGD steps (<= 1e-4), with accumulation (no reduction on the first micro-batch) and clipping (the
+    norm over the shard groups, not counted again per replica)."""
+    module_kwargs, trainer_kwargs = copy.deepcopy(PARITY[case])
+    start = _start_state()
+    reference = _fit_reference(start, module_kwargs, trainer_kwargs, world=4)
+    results = run_distributed(_fit_hsdp, 4, start, module_kwargs, trainer_kwargs, (2, 2))
+    _check_hsdp(results, 2, 2)
+    for rank in results:
+        _assert_same_weights(rank["state"], reference["state"])
+    moved = max((reference["state"][k] - start[k]).abs().max().item() for k in start)
+    assert moved > 1e-3
+
+
+def test_two_replicas_of_whole_parameters_match_one_process() -> None:
+    """`device_mesh=(2, 1)` at world size 2: FSDP2 with shard groups of one rank (whole parameters, replicated, only
+    the gradient all-reduce between ranks), the same weights as one process."""
+    module_kwargs, trainer_kwargs = copy.deepcopy(PARITY["accumulate"])
+    start = _start_state()
+    reference = _fit_reference(start, module_kwargs, trainer_kwargs, world=2)
+    results = run_distributed(_fit_hsdp, 2, start, module_kwargs, trainer_kwargs, (2, 1))
+    _check_hsdp(results, 2, 1)
+    for rank in results:
+        _assert_same_weights(rank["state"], reference["state"])
+
+
+def _fresh_shards(mesh: tuple[int, int]) -> dict:
+    """Build on meta and materialize with the model's own (random) init and peft's random lora_A, no start state;
+    return this rank's local shards before any step."""
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    module = LlamaModule()
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=FSDP2Strategy(device_mesh=mesh),
+                        **_trainer_kwargs(max_steps=0))
+    trainer.fit(module)
+    return {n: p.to_local().detach().clone() for n, p in module.named_parameters()}
+
+
+@pytest.mark.slow
+def test_replicas_of_a_shard_are_initialized_alike_and_shards_differ() -> None:
+    """Random initialization on a CPU mesh is seeded by the shard coordinate: ranks 0 and 2 (shard 0 of replicas 0
+    and 1) hold the same values, ranks 0 and 1 (shards 0 and 1) different ones. Seeded per global rank, the replicas
+    would start apart and stay apart (their gradients are averaged, not their weights)."""
+    ranks = run_distributed(_fresh_shards, 4, (2, 2))
+    names = [n for n in ranks[0] if "q_proj" in n and ("lora_A" in n or "base_layer" in n)]
+    assert len(names) == 4  # two layers x (base weight, lora_A)
+    for name in names:
+        assert torch.equal(ranks[0][name], ranks[2][name]), name
+        assert torch.equal(ranks[1][name], ranks[3][name]), name
+        assert not torch.equal(ranks[0][name], ranks[1][name]), name
+
+
+# --------------------------------------------------------------------------- resume across layouts
+@pytest.fixture(scope="module")
+def saved_hsdp(pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Checkpoints after one epoch at world size 4 as 2 x 2, in both formats."""
+    root = tmp_path_factory.mktemp("saved-hsdp")
+    paths = {"full": root / "full.ckpt", "sharded": root / "sharded.ckpt"}
+    for fmt, path in paths.items():
+        run_distributed(fit_resumable, 4, str(pretrained), 1, str(path), None,
+                        {"state_dict_type": fmt, "device_mesh": (2, 2)})
+    return paths
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_an_hsdp_checkpoint_resumes_exactly_at_every_layout(fmt: str, pretrained: Path, saved_hsdp: dict,
+                                                            straight: dict) -> None:
+    """Saved by 2 x 2 HSDP after one epoch (the full file gathered from one replica); resumed for the second epoch by
+    2 x 2 HSDP, FSDP over 4 and over 2, and one process: each equal to two epochs straight (FSDP at world size 2)."""
+    for world, mesh in ((4, (2, 2)), (4, None), (2, None), (1, None)):
+        resumed = run_distributed(fit_resumable, world, str(pretrained), 2, None, str(saved_hsdp[fmt]),
+                                  {"device_mesh": mesh})[0]
+        assert_same_run(resumed, straight, f"{fmt} HSDP checkpoint resumed at world size {world}, mesh {mesh}")
+    if fmt == "full":  # what a single-device run writes and reads
+        assert_same_run(fit_resumable_single_device(str(pretrained), 2, resume_from=str(saved_hsdp[fmt])), straight,
+                        "full HSDP checkpoint resumed by Lightning's single-device strategy")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_an_fsdp_checkpoint_resumes_exactly_as_hsdp(fmt: str, pretrained: Path, saved: dict, straight: dict) -> None:
+    """Saved by FSDP at world size 2 after one epoch, resumed by 2 x 2 HSDP: equal to two epochs straight."""
+    resumed = run_distributed(fit_resumable, 4, str(pretrained), 2, None, str(saved[fmt]), {"device_mesh": (2, 2)})[0]
+    assert_same_run(resumed, straight, f"{fmt} FSDP checkpoint resumed by 2 x 2 HSDP")
+
+
+# --------------------------------------------------------------------------- exports
+def _train_and_export_hsdp(pretrained: str, out: str, mesh: tuple[int, int] | None) -> dict:
+    from lightning_fsdp2.lora import save_adapter, save_merged
+    from tests.models import ResumeModule, probe_logits
+
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    module = ResumeModule(pretrained, lora=True)
+    module.lr = 3e-2
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=FSDP2Strategy(device_mesh=mesh), max_epochs=1,
+                        limit_val_batches=0, num_sanity_val_steps=0, **quiet_trainer_kwargs())
+    trainer.fit(module)
+    save_adapter(module, Path(out) / "adapter")
+    save_merged(module, Path(out) / "merged")
+    return {"logits": probe_logits(module.model)}
+
+
+@pytest.mark.slow
+def test_hsdp_exports_a_peft_adapter_and_a_merged_model(pretrained: Path, tmp_path: Path) -> None:
+    """After a LoRA epoch at 2 x 2, `save_adapter` and `save_merged` write the whole adapter and the whole merged
+    model (one replica's shards gathered): peft and transformers in one process give the trained model's logits."""
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from tests.models import probe_logits
+
+    trained = run_distributed(_train_and_export_hsdp, 4, str(pretrained), str(tmp_path), (2, 2))
+    expected = trained[0]["logits"]
+    for rank in trained:
+        assert torch.allclose(rank["logits"], expected)
+    assert (probe_logits(AutoModelForCausalLM.from_pretrained(pretrained)) - expected).abs().max() > 1e-3
+    with_adapter = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pretrained), tmp_path / "adapter")
+    assert torch.allclose(probe_logits(with_adapter), expected, atol=1e-5)
+    merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
+    assert torch.allclose(probe_logits(merged), expected, atol=1e-4)
+
+
+# --------------------------------------------------------------------------- errors
+def _fit_with_mesh(mesh: object) -> str:
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    try:
+        L.Trainer(accelerator="cpu", devices=world, strategy=FSDP2Strategy(device_mesh=mesh),
+                  **_trainer_kwargs()).fit(LlamaModule())
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+def test_a_mesh_that_does_not_cover_the_processes_is_refused_on_every_rank() -> None:
+    errors = run_distributed(_fit_with_mesh, 2, (2, 2))
+    assert errors[0] == errors[1]
+    assert "device_mesh=(2, 2)): 2 x 2 = 4, but there are 2 processes" in errors[0]
+
+
+def test_shard_groups_that_straddle_nodes_and_malformed_meshes_are_refused() -> None:
+    from lightning_fsdp2.parallel import ShardingOptions
+
+    def options(mesh: object, reshard: bool | int = True) -> ShardingOptions:
+        return ShardingOptions.from_arguments(auto_wrap_policy=None, activation_checkpointing_policy=None,
+                                              mixed_precision=None, reshard_after_forward=reshard, cpu_offload=False,
+                                              device_mesh=mesh)
+
+    # 3 nodes x 2 devices as 2 replicas x 3 shards: the second shard group takes one device of node 1 and both of
+    # node 2, so its all-gathers cross between nodes.
+    with pytest.raises(ValueError, match=r"shard groups of 3 ranks straddle nodes of 2 devices"):
+        options((2, 3)).check(6, torch.device("cpu"), devices_per_node=2)
+    options((3, 2)).check(6, torch.device("cpu"), devices_per_node=2)  # one shard group per node
+    options((1, 4)).check(4, torch.device("cpu"), devices_per_node=2)  # one shard group of two whole nodes
+    for bad in ((2,), (2, 0), (2.0, 2), "2x2", (True, 2)):
+        with pytest.raises(TypeError, match=r"pass a tuple \(replicate, shard\) of two positive ints"):
+            options(bad)
+    with pytest.raises(ValueError, match=r"a divisor of 2 other than 1 and 2"):
+        options((2, 2), reshard=2).check(4, torch.device("cpu"), devices_per_node=2)
