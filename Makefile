@@ -36,7 +36,7 @@ bench: $(STAMP)
 GPU_PYTHON ?= python3
 gpu-check:
 	PYTHONPATH=src:. $(GPU_PYTHON) -m pytest -q -m cuda tests/test_cuda.py
-	PYTHONPATH=src:. $(GPU_PYTHON) benchmarks/gpu.py --repeats 2
+	PYTHONPATH=src:. $(GPU_PYTHON) benchmarks/gpu.py --repeats 1
 
 clean:
 	rm -rf $(VENV) outputs lightning_logs .pytest_cache

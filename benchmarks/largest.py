@@ -223,6 +223,18 @@ def summarize(out: Path) -> None:
                          f" {r['setup_seconds']:.0f} |")
         elif not r.get("fits", True):
             lines.append(f"| {r['layout']} | {shape} | {r['parameters'] / 1e9:.2f}B | no (out of memory) | | | | |")
+    trimmed = [json.loads(f.read_text()) for f in sorted(out.glob("largest-*-h*-l*-trim.json"))]
+    if trimmed:
+        lines += ["", "The same with `MALLOC_TRIM_THRESHOLD_=0` (glibc's malloc gives freed memory back at once instead of"
+                  " keeping it for reuse, so the resident set follows the live tensors more closely):", "",
+                  "| layout | shape | parameters | peak RSS per process (MB) | above start (MB) | s/step |",
+                  "|---|---|---:|---:|---:|---:|"]
+        for r in sorted(trimmed, key=lambda r: (list(DESCRIBE).index(r["layout"]), r["parameters"])):
+            if r.get("fits", True):
+                lines.append(f"| {r['layout']} | hidden {r['shape']['hidden']}, {r['shape']['layers']} layers |"
+                             f" {r['parameters'] / 1e9:.2f}B | {max(r['process_peak_mb_per_rank']):.0f} |"
+                             f" {max(r['peak_mb_per_rank']):.0f} |"
+                             f" {sorted(r['step_seconds'])[len(r['step_seconds']) // 2]:.0f} |")
     lines.append("")
     for layout in DESCRIBE:
         fits = [r for r in runs if r["layout"] == layout and r.get("fits", True)]

@@ -24,6 +24,8 @@ SECTIONS = [
      "asynchronous sharded saves during training."),
     ("LoRA memory: fp32, bf16, fp32 adapters on bf16, NF4 (QLoRA)", "memory", "The same LoRA fine-tune in four "
      "storage layouts: parameter bytes and peak memory per rank, and throughput."),
+    ("Largest LoRA shapes at world size 2", "largest", "Every shape `benchmarks/largest.py` tried, per layout, and the"
+     " largest that trained (not part of `make bench`: about 10 minutes a bf16 shape, 15 to 25 an NF4 one)."),
     ("A 7B-shaped Llama with an NF4 base", "largest-nf4-h4096-l32", "QLoRA at world size 2 on this 23 GiB machine "
      "(`python benchmarks/largest.py --layout nf4`, not part of `make bench`: about 20 minutes)."),
     ("The same 7B shape with a bf16 base", "largest-bf16-h4096-l32", "The bf16-true peer of the run above "

@@ -25,16 +25,16 @@ def _fit_on_gpu(start_state: dict, strategy_kwargs: dict, precision: str = "32-t
     def record(layer: torch.nn.Module, args: tuple) -> None:
         seen.append(layer.weight.dtype)  # the dtype FSDP2 gathered the weight in (the compute dtype)
 
-    trainer = L.Trainer(accelerator="cuda", devices=1, strategy=FSDP2Strategy(**strategy_kwargs), precision=precision,
-                        **_trainer_kwargs())
-    handles: list = []
-
     class Hook(L.Callback):
         def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             layer = pl_module.model.base_model.model.model.layers[0].mlp.down_proj
-            handles.append(layer.register_forward_pre_hook(record))
+            self.handle = layer.register_forward_pre_hook(record)
 
-    trainer.callbacks.append(Hook())
+        def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            self.handle.remove()
+
+    trainer = L.Trainer(accelerator="cuda", devices=1, strategy=FSDP2Strategy(**strategy_kwargs), precision=precision,
+                        callbacks=[Hook()], **_trainer_kwargs())
     trainer.fit(module)
     local = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
     scaler = getattr(trainer.precision_plugin, "scaler", None)

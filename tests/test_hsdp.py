@@ -116,6 +116,40 @@ def test_replicas_of_a_shard_are_initialized_alike_and_shards_differ() -> None:
         assert not torch.equal(ranks[0][name], ranks[1][name]), name
 
 
+class RecordsSamples(LlamaModule):
+    """Trains on samples that are their own index, recording which ones this rank's batches held."""
+
+    def __init__(self) -> None:
+        super().__init__(batch_size=2)
+        self.seen: list[int] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.seen += batch[:, 0].tolist()
+        return super().training_step(batch, batch_idx)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        data = torch.arange(16).repeat_interleave(16).view(16, 16)  # sample i: sixteen tokens `i`
+        return torch.utils.data.DataLoader(data, batch_size=self.batch_size, shuffle=True)
+
+
+def _samples_seen(mesh: tuple[int, int]) -> list[int]:
+    world = int(__import__("os").environ["WORLD_SIZE"])
+    module = RecordsSamples()
+    # Lightning's own distributed sampler (the default): the strategy tells it every rank is a data-parallel rank.
+    L.Trainer(accelerator="cpu", devices=world, strategy=FSDP2Strategy(device_mesh=mesh), max_epochs=1,
+              logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False).fit(module)
+    return module.seen
+
+
+@pytest.mark.slow
+def test_every_rank_of_every_replica_reads_its_own_samples() -> None:
+    """Under 2 x 2 HSDP, Lightning's distributed sampler gives each of the 4 ranks a quarter of the data: the two
+    ranks of a shard group, and the replicas, read different samples, and together read every sample once."""
+    seen = run_distributed(_samples_seen, 4, (2, 2))
+    assert all(len(s) == 4 for s in seen), seen
+    assert sorted(i for s in seen for i in s) == list(range(16)), seen
+
+
 # --------------------------------------------------------------------------- resume across layouts
 @pytest.fixture(scope="module")
 def saved_hsdp(pretrained: Path, tmp_path_factory: pytest.TempPathFactory) -> dict:
@@ -185,6 +219,29 @@ def test_hsdp_exports_a_peft_adapter_and_a_merged_model(pretrained: Path, tmp_pa
     assert torch.allclose(probe_logits(with_adapter), expected, atol=1e-5)
     merged = AutoModelForCausalLM.from_pretrained(tmp_path / "merged")
     assert torch.allclose(probe_logits(merged), expected, atol=1e-4)
+
+
+def _fit_with_a_ready_mesh(ranks: list[list[int]]) -> dict | str:
+    """Under a launcher that started the process group (as torchrun's users may), pass a DeviceMesh built from it."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import DeviceMesh
+
+    dist.init_process_group("gloo")
+    mesh = DeviceMesh("cpu", torch.tensor(ranks), mesh_dim_names=("replicate", "shard"))
+    try:
+        return _fit_hsdp(_start_state(), {"batch_size": 4}, {}, mesh)["layout"]
+    except ValueError as err:
+        return str(err)
+
+
+def test_a_ready_device_mesh_is_used_and_one_out_of_rank_order_refused() -> None:
+    """A 2-D DeviceMesh (2 replicas x 1) built by the user is the mesh the parameters are placed on; one whose ranks
+    are out of order (rank 0 not first: the full gather from rank 0's shard group would not line up) is refused on
+    every rank."""
+    for rank in run_distributed(_fit_with_a_ready_mesh, 2, [[0], [1]]):
+        assert rank["mesh"] == (2, 1) and rank["placements"] == ["(Replicate(), Shard(dim=0))"], rank
+    errors = run_distributed(_fit_with_a_ready_mesh, 2, [[1], [0]])
+    assert errors[0] == errors[1] and "mesh of ranks [[1], [0]]" in errors[0] and "in rank order" in errors[0]
 
 
 # --------------------------------------------------------------------------- errors

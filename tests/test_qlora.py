@@ -265,6 +265,35 @@ def test_each_group_is_quantized_just_before_it_is_sharded_and_the_ranks_share_t
     assert [rank["made"] for rank in ranks] == [7, 7]
 
 
+def _fail_quantizing_on_rank_1(base: str, adapter: str) -> str:
+    import os
+    from datetime import timedelta
+
+    from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
+
+    from lightning_fsdp2 import FSDP2Strategy
+
+    def broken(*args: Any) -> Any:
+        raise ValueError("planted: this rank cannot quantize")
+
+    if os.environ["RANK"] == "1":
+        nf4_tensor.to_nf4 = broken
+    try:
+        L.Trainer(accelerator="cpu", devices=world(), strategy=FSDP2Strategy(timeout=timedelta(seconds=60)),
+                  precision="32-true", max_steps=1, **quiet_trainer_kwargs()).fit(QLoRAModule(base, adapter))
+    except Exception as err:  # noqa: BLE001 - the test reads the message
+        return f"{type(err).__name__}: {err}"
+    return "trained"
+
+
+def test_a_rank_that_fails_to_quantize_its_share_fails_every_rank(start: tuple[str, str]) -> None:
+    """The ranks share the quantizing: one that fails (a file it cannot read, memory, torchao) never broadcasts its
+    share, so all learn of it first and raise together instead of the others waiting until the timeout."""
+    first, second = run_distributed(_fail_quantizing_on_rank_1, 2, *start)
+    assert "another rank failed to read or quantize its share" in first, first
+    assert "planted: this rank cannot quantize" in second, second
+
+
 # --------------------------------------------------------------------------- checkpoints and exports
 def _fit_epochs(base: str, adapter: str, epochs: int, state_dict_type: str, save_to: str | None = None,
                 resume_from: str | None = None) -> dict:

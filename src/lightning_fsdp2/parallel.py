@@ -94,7 +94,7 @@ class ShardingOptions:
                 "FSDP2Strategy(cpu_offload=True) moves parameters from an accelerator to CPU memory, but this run is"
                 " already on the CPU. Remove `cpu_offload`, or train on GPUs (`accelerator='cuda'`)."
             )
-        shard = self.check_mesh(world_size, devices_per_node)
+        shard = self.check_mesh(world_size, devices_per_node, device)
         resharded = self.reshard_after_forward
         if not isinstance(resharded, bool) and not (1 < resharded < shard and shard % resharded == 0):
             raise ValueError(
@@ -103,16 +103,24 @@ class ShardingOptions:
                 f" than 1 and {shard} (those are reshard_after_forward=False and True)."
             )
 
-    def check_mesh(self, world_size: int, devices_per_node: int) -> int:
+    def check_mesh(self, world_size: int, devices_per_node: int, device: torch.device | None = None) -> int:
         """Raise for a mesh that does not fit the processes; return the size of the shard groups."""
         mesh = self.device_mesh
         if mesh is None:
             return world_size
         if isinstance(mesh, DeviceMesh):
-            if mesh.ndim not in (1, 2) or mesh.size() != world_size:
+            # Full checkpoints are gathered to rank 0 from the shard group of the first replica, pieces in rank order:
+            # the ranks must be laid out in order (what init_device_mesh makes), rank 0 first.
+            if mesh.ndim not in (1, 2) or mesh.mesh.flatten().tolist() != list(range(world_size)):
                 raise ValueError(
-                    f"FSDP2Strategy(device_mesh=...) got a {mesh.ndim}-D mesh of {mesh.size()} ranks; it must be 1-D"
-                    f" (shard) or 2-D (replicate, shard) over all {world_size} processes."
+                    f"FSDP2Strategy(device_mesh=...) got a {mesh.ndim}-D mesh of ranks {mesh.mesh.tolist()}; it must be"
+                    f" 1-D (shard) or 2-D (replicate, shard) over all {world_size} processes in rank order, as"
+                    f" `init_device_mesh(device_type, (replicate, shard))` makes it, or pass the tuple (replicate, shard)."
+                )
+            if device is not None and mesh.device_type != device.type:
+                raise ValueError(
+                    f"FSDP2Strategy(device_mesh=...) got a {mesh.device_type!r} mesh for a run on {device.type!r}:"
+                    f" build it with init_device_mesh({device.type!r}, ...), or pass the tuple (replicate, shard)."
                 )
             return mesh.size(mesh.ndim - 1)
         replicate, shard = mesh

@@ -163,10 +163,10 @@ def broadcast_nf4(quantized: Tensor | None, src: int, device: torch.device) -> T
     context, shape, stride, specs = layout[0]
     received = {}
     for name, size, dtype in specs:
-        tensor = inner[name] if owner else torch.empty(size, dtype=dtype)
+        tensor = inner[name].contiguous() if owner else torch.empty(size, dtype=dtype)
         staged = tensor if tensor.device == device else tensor.to(device)
         dist.broadcast(staged, src=src)
-        received[name] = tensor if owner else staged.to(tensor.device)
+        received[name] = inner[name] if owner else staged.to(tensor.device)
     return quantized if owner else nf4_module().NF4Tensor.__tensor_unflatten__(received, context, shape, stride)
 
 

@@ -1,4 +1,4 @@
-"""Several nodes, proven on one machine: the processes of a 2-node job started as torchrun and SLURM start them,
+"""Several nodes, proven on one machine: the processes of a 2-node job started as torchrun, Lightning and SLURM start them,
 each node's processes on their own, meeting at a rendezvous on 127.0.0.1. Each run ends with the weights of the
 same two epochs at world size 2 (the `straight` fixture: FSDP2 at world size 2, started by the test helper)."""
 
@@ -61,6 +61,23 @@ def test_torchrun_two_nodes(mesh: tuple[int, int] | None, pretrained: Path, stra
     assert (result["environment"], result["world_size"]) == ("TorchElasticEnvironment", 4)
     assert result["mesh"] == ([2, 2] if mesh else [4])
     assert_same_run(result, straight, f"torchrun, 2 nodes x 2 processes, mesh {mesh}")
+
+
+def test_lightnings_launcher_on_two_nodes(pretrained: Path, straight: dict, tmp_path: Path) -> None:
+    """The recipe of docs/launching.md: the same command on each machine with `MASTER_ADDR`, `MASTER_PORT` and
+    `NODE_RANK`; Lightning's launcher starts 2 processes on each (re-running the script), `Trainer(devices=2,
+    num_nodes=2)`."""
+    port = str(free_port())
+    out = tmp_path / "result.pt"
+    commands = []
+    for node in (0, 1):
+        env = _clean_environment()
+        env.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=port, NODE_RANK=str(node))
+        commands.append(([sys.executable, SCRIPT, str(pretrained), str(out), "2", "2"], env))
+    _run_nodes(commands, tmp_path)
+    result = torch.load(out, weights_only=True)
+    assert (result["environment"], result["world_size"]) == ("LightningEnvironment", 4)
+    assert_same_run(result, straight, "Lightning's launcher, 2 nodes x 2 processes")
 
 
 def test_slurm_two_nodes(pretrained: Path, straight: dict, tmp_path: Path) -> None:

@@ -302,11 +302,26 @@ class PendingPretrained:
         shared = device is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if shared else (0, 1)
         made = {}  # this rank's share, quantized first: the ranks then work at the same time
-        for i, (sub, name, source, key, _) in enumerate(chosen, start=self.quantized_so_far):
-            if i % world == rank:
-                whole = source.read(key, tuple(slice(None) for _ in source.shape(key)))
-                made[i] = to_nf4(sub.get_parameter(name), whole)
-                del whole  # one weight in high precision at a time
+        failure: BaseException | None = None
+        try:
+            for i, (sub, name, source, key, _) in enumerate(chosen, start=self.quantized_so_far):
+                if i % world == rank:
+                    whole = source.read(key, tuple(slice(None) for _ in source.shape(key)))
+                    made[i] = to_nf4(sub.get_parameter(name), whole)
+                    del whole  # one weight in high precision at a time
+        except BaseException as err:  # noqa: BLE001 - raised below, on every rank together
+            failure = err
+        if shared:
+            # A rank that failed would never broadcast its share: the others would wait for it until the timeout.
+            failed = torch.tensor([failure is not None], dtype=torch.int32, device=device)
+            torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
+            if failed.item() and failure is None:
+                raise RuntimeError(
+                    "load_pretrained(quantize='nf4'): another rank failed to read or quantize its share of the weights"
+                    " (its own error is in its output); nothing was sharded."
+                )
+        if failure is not None:
+            raise failure
         for i, (sub, name, _, _, _) in enumerate(chosen, start=self.quantized_so_far):
             quantized = broadcast_nf4(made.pop(i, None), i % world, device) if shared else made.pop(i)
             put_in_place(sub, name, quantized)
