@@ -87,7 +87,8 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
             parameter sharded over groups of ``shard`` consecutive ranks (the devices of one node) and replicated
             over ``replicate`` such groups, so only the gradient all-reduce crosses between groups; ``replicate x
             shard`` must be the number of processes and ``shard`` divide the devices per node (or be a multiple of
-            them). A ready ``DeviceMesh`` (1-D, or 2-D as ``(replicate, shard)``) is used as it is.
+            them). A ready ``DeviceMesh`` (1-D, or 2-D as ``(replicate, shard)``, over every rank in order, as
+            ``init_device_mesh`` makes it) is used as it is; it needs a process group started by the launcher.
         meta_init: build parameters on ``meta`` in ``configure_model`` (default). ``False`` builds them for real on
             the CPU first and shards them afterwards (every rank then holds the whole model for a moment).
         process_group_backend: ``"gloo"``, ``"nccl"``...; default from the device (gloo on CPU, nccl on CUDA).

@@ -299,6 +299,8 @@ class PendingPretrained:
             mine = [n for n, f in full.items() if not within or f.startswith(f"{within}.")]
             for name in sorted(mine, key=lambda n: source.where(plan.copies[n])):
                 chosen.append((root.get_submodule(prefix), name, source, plan.copies.pop(name), full[name]))
+        if not chosen:  # the same on every rank: a group (or a model) with nothing to quantize needs no collective
+            return set()
         shared = device is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
         rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if shared else (0, 1)
         made = {}  # this rank's share, quantized first: the ranks then work at the same time
