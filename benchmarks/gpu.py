@@ -6,7 +6,10 @@ on one CUDA device, in the same run, contenders alternating:
 - ``fsdp2``: ``FSDP2Strategy()`` at world size 1 (NCCL, FSDP2's hooks on every decoder layer);
 - ``model_parallel``: Lightning's ``ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)`` with the
   hand-written per-layer ``fully_shard`` its docs show;
-- ``single``: Lightning's single-device strategy, no sharding (the compute bound on one GPU).
+- ``single``: Lightning's single-device strategy, no sharding (the compute bound on one GPU);
+- with ``--knobs``: ``fsdp2+compile`` (``compile=True``), ``fsdp2+ac`` / ``fsdp2+ac_matmuls`` (every decoder layer
+  checkpointed, wholly / saving its matmuls), ``model_parallel+compile`` (the hand-written recipe with
+  ``torch.compile`` on each layer before its ``fully_shard``, as torchtitan does).
 
 Tokens/s over the timed steps (after warm-up, `torch.cuda.synchronize` before each clock read); MFU = 4 x parameters x
 tokens/s over the GPU's dense bf16 peak (from its name; left out for GPUs not in the table): forward and the input
@@ -14,6 +17,7 @@ gradients of the frozen base, no weight gradients and no attention FLOPs counted
 ``torch.cuda.max_memory_allocated`` of the fit. ``make gpu-check`` runs it after the CUDA-marked tests:
 
     python benchmarks/gpu.py --repeats 1
+    python benchmarks/gpu.py --repeats 1 --knobs     # compile and activation checkpointing too (not in gpu-check)
 
 Writes ``benchmarks/results/gpu-throughput.{md,json}``.
 """
@@ -45,9 +49,9 @@ PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A8
 
 
 class LoRALlama(L.LightningModule):
-    def __init__(self, shard: bool = False) -> None:
+    def __init__(self, shard: bool = False, compile: bool = False) -> None:
         super().__init__()
-        self.shard = shard
+        self.shard, self.compile = shard, compile
         self.model = None
         self.times: list[float] = []
 
@@ -65,7 +69,10 @@ class LoRALlama(L.LightningModule):
             from torch.distributed.fsdp import fully_shard
 
             mesh = self.device_mesh["data_parallel"]
-            for layer in model.base_model.model.model.layers:
+            layers = model.base_model.model.model.layers
+            for i, layer in enumerate(layers):
+                if self.compile:  # torchtitan's apply_compile: the compiled wrapper replaces the layer, then is sharded
+                    layers[i] = layer = torch.compile(layer)
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
         self.model = model
@@ -86,12 +93,21 @@ class LoRALlama(L.LightningModule):
         return DataLoader(data, batch_size=BATCH)
 
 
+KNOBS = {"fsdp2+compile": {"compile": True}, "fsdp2+ac": {"activation_checkpointing_policy": "blocks"},
+         "fsdp2+ac_matmuls": {"activation_checkpointing_policy": "blocks", "activation_checkpointing_save": "matmuls"}}
+
+
 def _strategy(name: str):
-    if name == "fsdp2":
+    if name == "fsdp2" or name in KNOBS:
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
         from lightning_fsdp2 import FSDP2Strategy
 
-        return FSDP2Strategy()
-    if name == "model_parallel":
+        kwargs = dict(KNOBS.get(name, {}))
+        if kwargs.get("activation_checkpointing_policy") == "blocks":
+            kwargs["activation_checkpointing_policy"] = {LlamaDecoderLayer}
+        return FSDP2Strategy(**kwargs)
+    if name.startswith("model_parallel"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         return ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)
@@ -99,11 +115,11 @@ def _strategy(name: str):
 
 
 def _train(name: str) -> dict:
-    module = LoRALlama(shard=name == "model_parallel")
+    module = LoRALlama(shard=name.startswith("model_parallel"), compile=name.endswith("+compile"))
     torch.cuda.reset_peak_memory_stats()
     # The same work for every contender: Lightning's stock bf16-true casts the adapters to bf16, so FSDP2Strategy's
     # precision keeps them in bf16 too here (its default stores them in fp32).
-    precision = ({"plugins": [FSDP2Precision("bf16-true", adapter_dtype=None)]} if name == "fsdp2"
+    precision = ({"plugins": [FSDP2Precision("bf16-true", adapter_dtype=None)]} if name.startswith("fsdp2")
                  else {"precision": "bf16-true"})
     trainer = L.Trainer(accelerator="cuda", devices=1, strategy=_strategy(name), **precision,
                         max_steps=WARMUP + TIMED, logger=False, enable_checkpointing=False, enable_progress_bar=False,
@@ -118,10 +134,11 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    parser.add_argument("--knobs", action="store_true", help="also compile and activation checkpointing contenders")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py needs a CUDA device.")
-    names = ["fsdp2", "model_parallel", "single"]
+    names = ["fsdp2", "model_parallel", "single"] + ([*KNOBS, "model_parallel+compile"] if args.knobs else [])
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for repeat in range(args.repeats):
         for name in names if repeat % 2 == 0 else list(reversed(names)):
@@ -140,7 +157,7 @@ def main() -> None:
         tps = statistics.median(r["tokens_per_s"] for r in results)
         rows[name] = {"tokens_per_s": tps, "peak_gb": max(r["peak_gb"] for r in results),
                       "mfu": 4 * n_params * tps / peak if peak else None}
-    command = f"python benchmarks/gpu.py --repeats {args.repeats}"
+    command = f"python benchmarks/gpu.py --repeats {args.repeats}" + (" --knobs" if args.knobs else "")
     lines = [f"LoRA (r=16, q/k/v/o) on a {n_params / 1e9:.2f}B Llama, bf16-true, seq {SEQ}, batch {BATCH}, one {gpu},"
              f" median of {args.repeats}; all adapters bf16. MFU: 4 x parameters x tokens/s over the dense bf16 peak.", "",
              "| contender | tokens/s | FSDP2Strategy / contender | MFU | peak GPU memory (GB) |", "|---|---:|---:|---:|---:|"]

@@ -2,7 +2,7 @@
 
     python benchmarks/report.py      # run by `make bench` after the benchmarks
 
-Reads ``benchmarks/results/*.json`` and ``*.md`` (written by throughput.py, load_pretrained.py, save.py and memory.py); sections
+Reads ``benchmarks/results/*.json`` and ``*.md`` (written by throughput.py (three tables), load_pretrained.py, save.py and memory.py); sections
 whose results are missing say so.
 """
 
@@ -18,6 +18,8 @@ SECTIONS = [
     ("Training throughput", "throughput", "LoRA fine-tuning at world size 2 against Lightning's ModelParallelStrategy "
      "(hand-written per-layer fully_shard), DDP, FSDP1 and the compute bound."),
     ("Scaling", "scaling", "FSDP2Strategy at world sizes 1, 2 and 4."),
+    ("Compile, activation checkpointing, prefetch", "knobs", "FSDP2Strategy's per-block options side by side, against "
+     "the hand-written ModelParallelStrategy recipe with torch.compile."),
     ("Start-up: loading a pretrained model", "load_pretrained-large", "load_pretrained on meta against an eager build "
      "plus whole-state-dict load then sharding, and against reading the rank's share of the bytes."),
     ("Saving", "save", "Full and sharded checkpoints as the model grows, against Lightning's ModelParallelStrategy; "

@@ -19,8 +19,15 @@ held when ``fit`` started.
 
     python benchmarks/throughput.py                 # world size 2, 3 repeats
     python benchmarks/throughput.py --scaling       # FSDP2Strategy at world sizes 1, 2 and 4
+    python benchmarks/throughput.py --knobs         # compile, activation checkpointing, prefetch (below)
 
-Writes ``benchmarks/results/throughput.{md,json}`` (or ``scaling.{md,json}``).
+``--knobs`` puts FSDP2Strategy's per-block options side by side at world size 2: eager against ``compile=True``,
+activation checkpointing of none / every block / every 2nd block / every block saving its matmuls
+(``activation_checkpointing_save="matmuls"``), ``forward_prefetch=1``, ``reshard_last_block=False``, and the peer
+``model_parallel+compile``: ModelParallelStrategy with the hand-written torchtitan recipe (``torch.compile`` each
+decoder layer, then ``fully_shard`` it). Compile time is reported apart: the first step's time minus a steady step's.
+
+Writes ``benchmarks/results/throughput.{md,json}`` (or ``scaling.{md,json}``, ``knobs.{md,json}``).
 """
 
 from __future__ import annotations
@@ -52,9 +59,9 @@ SEQ, BATCH, WARMUP, TIMED = 256, 2, 2, 6
 class LoRALlama(L.LightningModule):
     """The same module for every contender; ``shard`` applies ModelParallelStrategy's hand-written fully_shard."""
 
-    def __init__(self, shard: bool = False) -> None:
+    def __init__(self, shard: bool = False, compile: bool = False) -> None:
         super().__init__()
-        self.shard = shard
+        self.shard, self.compile = shard, compile
         self.model = None
         self.times: list[float] = []
 
@@ -71,13 +78,19 @@ class LoRALlama(L.LightningModule):
             from torch.distributed.fsdp import fully_shard
 
             mesh = self.device_mesh["data_parallel"]
-            for layer in model.base_model.model.model.layers:
+            layers = model.base_model.model.model.layers
+            for i, layer in enumerate(layers):
+                if self.compile:  # torchtitan's apply_compile: the compiled wrapper replaces the layer, then is sharded
+                    layers[i] = layer = torch.compile(layer)
                 fully_shard(layer, mesh=mesh)
             fully_shard(model, mesh=mesh)
         self.model = model
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         return self.model(input_ids=batch, labels=batch).loss
+
+    def on_train_start(self) -> None:
+        self.times.append(time.perf_counter())
 
     def on_train_batch_end(self, *args) -> None:
         self.times.append(time.perf_counter())
@@ -92,12 +105,33 @@ class LoRALlama(L.LightningModule):
         return DataLoader(data, batch_size=BATCH)
 
 
+KNOBS = {  # FSDP2Strategy arguments of the --knobs contenders
+    "fsdp2": {},
+    "fsdp2+compile": {"compile": True},
+    "fsdp2+ac": {"activation_checkpointing_policy": "blocks"},
+    "fsdp2+ac_every2": {"activation_checkpointing_policy": "blocks", "activation_checkpointing_every": 2},
+    "fsdp2+ac_matmuls": {"activation_checkpointing_policy": "blocks", "activation_checkpointing_save": "matmuls"},
+    "fsdp2+compile+ac": {"compile": True, "activation_checkpointing_policy": "blocks"},
+    "fsdp2+forward_prefetch": {"forward_prefetch": 1},
+    "fsdp2+keep_last_block": {"reshard_last_block": False},
+}
+
+
 def _strategy(name: str):
     if name in ("fsdp2", "fsdp2_keep"):
         from lightning_fsdp2 import FSDP2Strategy
 
         return FSDP2Strategy(reshard_after_forward=name == "fsdp2")
-    if name == "model_parallel":
+    if name in KNOBS:
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+        from lightning_fsdp2 import FSDP2Strategy
+
+        kwargs = dict(KNOBS[name])
+        if kwargs.get("activation_checkpointing_policy") == "blocks":
+            kwargs["activation_checkpointing_policy"] = {LlamaDecoderLayer}
+        return FSDP2Strategy(**kwargs)
+    if name.startswith("model_parallel"):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         return ModelParallelStrategy(data_parallel_size=2, tensor_parallel_size=1)
@@ -117,7 +151,7 @@ def _strategy(name: str):
 
 
 def _train(name: str, world: int, accelerator: str) -> dict:
-    module = LoRALlama(shard=(name == "model_parallel"))
+    module = LoRALlama(shard=name.startswith("model_parallel"), compile=name.endswith("+compile"))
     start_kb = _status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
     trainer = L.Trainer(
@@ -126,10 +160,12 @@ def _train(name: str, world: int, accelerator: str) -> dict:
         use_distributed_sampler=name != "compute_bound",
     )
     trainer.fit(module)
-    timed = module.times[WARMUP - 1 :]
+    timed = module.times[WARMUP:]  # times[0] is the start of training, times[k] the end of step k
     seconds = timed[-1] - timed[0]
     tokens = TIMED * BATCH * SEQ * world
-    return {"tokens_per_s": tokens / seconds, "peak_mb": (_status_kb("VmHWM") - start_kb) / 1024}
+    steady = statistics.median(b - a for a, b in zip(timed, timed[1:]))
+    return {"tokens_per_s": tokens / seconds, "peak_mb": (_status_kb("VmHWM") - start_kb) / 1024,
+            "first_step_s": module.times[1] - module.times[0], "steady_step_s": steady}
 
 
 def measure(names: list[str], worlds: dict[str, int], repeats: int, accelerator: str) -> dict[str, dict]:
@@ -143,7 +179,8 @@ def measure(names: list[str], worlds: dict[str, int], repeats: int, accelerator:
     for name, per_run in runs.items():
         tps = statistics.median(r[0]["tokens_per_s"] for r in per_run)
         peaks = [statistics.median(r[rank]["peak_mb"] for r in per_run) for rank in range(worlds[name])]
-        summary[name] = {"tokens_per_s": tps, "peak_mb_per_rank": peaks, "world_size": worlds[name]}
+        summary[name] = {"tokens_per_s": tps, "peak_mb_per_rank": peaks, "world_size": worlds[name],
+                         "first_step_extra_s": [r[0]["first_step_s"] - r[0]["steady_step_s"] for r in per_run]}
     return summary
 
 
@@ -151,6 +188,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scaling", action="store_true", help="FSDP2Strategy at world sizes 1, 2 and 4 instead")
+    parser.add_argument("--knobs", action="store_true", help="compile, activation checkpointing and prefetch instead")
     parser.add_argument("--only", nargs="*", help="contenders to run (default: all)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--accelerator", default="cuda" if torch.cuda.device_count() >= 4 else "cpu")
@@ -174,6 +212,10 @@ def main() -> None:
         _write(out / "scaling", runs, lines, f"python benchmarks/throughput.py --scaling --repeats {args.repeats}")
         return
 
+    if args.knobs:
+        _knobs(args, out, n_params)
+        return
+
     names = args.only or ["fsdp2", "fsdp2_keep", "model_parallel", "ddp", "fsdp1", "compute_bound"]
     skipped = []
     if args.accelerator == "cpu" and "fsdp1" in names:
@@ -194,6 +236,37 @@ def main() -> None:
         lines.append(f"| {name} | {row['tokens_per_s']:.0f} | {ratio} | {peaks} |")
     lines += [f"\nNot measured: {s}." for s in skipped]
     _write(out / "throughput", rows, lines, f"python benchmarks/throughput.py --repeats {args.repeats}")
+
+
+def _knobs(args: argparse.Namespace, out: Path, n_params: int) -> None:
+    import os
+    import tempfile
+
+    # A fresh inductor cache: the first repeat compiles from nothing (cold), later ones find its kernels (warm).
+    os.environ["TORCHINDUCTOR_CACHE_DIR"] = tempfile.mkdtemp(prefix="inductor-bench-")
+    names = args.only or [*KNOBS, "model_parallel+compile"]
+    rows = measure(names, {n: 2 for n in names}, args.repeats, args.accelerator)
+    eager, compiled = rows.get("fsdp2", {}).get("tokens_per_s"), rows.get("fsdp2+compile", {}).get("tokens_per_s")
+    lines = [f"FSDP2Strategy's per-block options at world size 2, Llama {n_params / 1e6:.0f}M parameters (LoRA r=8 on"
+             f" q/k/v/o), seq {SEQ}, batch {BATCH} per process, fp32, {args.accelerator}, 1 thread per process, median"
+             f" of {args.repeats}. \"x eager\": tokens/s over plain `fsdp2`'s; \"x peer\": over the hand-written"
+             " `model_parallel+compile`'s. \"first step extra\": the first step's time beyond a steady step's"
+             " (compilation, for the compiled contenders), in the first repeat (an empty inductor cache) and the"
+             " median of the later ones (kernels found in the cache).", "",
+             "| contender | tokens/s | x eager | x peer | peak RSS per rank (MB) | first step extra, cold / warm (s) |",
+             "|---|---:|---:|---:|---:|---:|"]
+    peer = rows.get("model_parallel+compile", {}).get("tokens_per_s")
+    for name, row in rows.items():
+        ratio = f"{row['tokens_per_s'] / eager:.2f}x" if eager else "-"
+        vs_peer = f"{row['tokens_per_s'] / peer:.2f}x" if peer else "-"
+        peaks = " / ".join(f"{p:.0f}" for p in row["peak_mb_per_rank"])
+        extra = row["first_step_extra_s"]
+        warm = f"{statistics.median(extra[1:]):.1f}" if len(extra) > 1 else "-"
+        lines.append(f"| {name} | {row['tokens_per_s']:.0f} | {ratio} | {vs_peer} | {peaks} | {extra[0]:.1f} / {warm} |")
+    if eager and compiled:
+        lines += ["", f"compile / eager: {compiled / eager:.2f}x."]
+    command = f"python benchmarks/throughput.py --knobs --repeats {args.repeats}"
+    _write(out / "knobs", rows, lines, command + (f" --only {' '.join(args.only)}" if args.only else ""))
 
 
 def _count_parameters() -> int:

@@ -1,4 +1,5 @@
-"""The CUDA-only paths: NCCL, `cpu_offload` (pinned and pageable), `bf16-mixed` and `16-mixed` on a GPU. Marked
+"""The CUDA-only paths: NCCL, `cpu_offload` (pinned and pageable), `bf16-mixed` and `16-mixed` on a GPU, activation
+offloading, and `compile` with inductor's GPU backend. Marked
 `cuda`: skipped without a CUDA device; `make gpu-check` runs them. One GPU is enough (world size 1: NCCL's
 process group and FSDP2's hooks run as at any world size)."""
 
@@ -92,3 +93,37 @@ def test_mixed_precision_on_gpu_stores_fp32_and_computes_low(start: dict, precis
     assert result["scaler"] == scaler
     assert all(torch.isfinite(torch.tensor(result["losses"])))
     assert result["losses"][-1] < result["losses"][0]
+
+
+class _ActivationMemory(LlamaModule):
+    """Records the GPU memory allocated just after each forward, before its backward: what it saved for backward."""
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        before = torch.cuda.memory_allocated()
+        loss = self.model(input_ids=batch, labels=batch).loss
+        self.saved = getattr(self, "saved", []) + [torch.cuda.memory_allocated() - before]
+        self.losses.append(float(loss.detach()))
+        return loss
+
+
+def _fit_recording_activations(start_state: dict, strategy_kwargs: dict) -> dict:
+    module = _ActivationMemory(start_state=start_state, batch_size=16)
+    trainer = L.Trainer(accelerator="cuda", devices=1, strategy=FSDP2Strategy(**strategy_kwargs), **_trainer_kwargs())
+    trainer.fit(module)
+    return {"state": {k: v.cpu() for k, v in full_state(module).items()}, "saved": module.saved}
+
+
+def test_offloaded_activations_leave_the_gpu_and_the_numbers_unchanged(start: dict) -> None:
+    """With offload_activations=True what a forward leaves on the GPU for backward shrinks (the saved activations are
+    in CPU memory), and the weights are those of the run without it."""
+    (kept,) = run_distributed(_fit_recording_activations, 1, start, {})
+    (offloaded,) = run_distributed(_fit_recording_activations, 1, start, {"offload_activations": True})
+    assert max(offloaded["saved"]) < 0.5 * min(kept["saved"])
+    _assert_same_weights(offloaded["state"], kept["state"])
+
+
+def test_compiled_blocks_on_gpu_match_one_gpu(start: dict) -> None:
+    """compile=True with inductor's GPU backend (Triton kernels): within 1e-4 of Lightning's single-device run."""
+    reference = _reference_on_gpu(start)
+    (result,) = run_distributed(_fit_on_gpu, 1, start, {"compile": True})
+    _assert_same_weights(result["state"], reference)

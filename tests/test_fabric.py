@@ -83,7 +83,7 @@ def _reference(base: str, adapter: str, steps: int, accumulate: int = 1, clip: f
 
 
 def _sharded(base: str, adapter: str, steps: int, accumulate: int = 1, clip: float | None = None,
-             joint: bool = False) -> dict:
+             joint: bool = False, strategy: dict | None = None) -> dict:
     from peft import get_peft_model
     from transformers import LlamaForCausalLM
 
@@ -91,7 +91,7 @@ def _sharded(base: str, adapter: str, steps: int, accumulate: int = 1, clip: flo
     from lightning_fsdp2.fabric import FSDP2Strategy
     from lightning_fsdp2.lora import load_adapter
 
-    fabric = L.Fabric(accelerator="cpu", devices=world(), strategy=FSDP2Strategy())
+    fabric = L.Fabric(accelerator="cpu", devices=world(), strategy=FSDP2Strategy(**(strategy or {})))
     fabric.launch()
     with fabric.init_module():
         model = LlamaForCausalLM(tiny_llama_config())
@@ -110,7 +110,8 @@ def _sharded(base: str, adapter: str, steps: int, accumulate: int = 1, clip: flo
     from torch.distributed.tensor import DTensor
 
     return {"state": full_state(model), "losses": losses, "on_meta": on_meta, "synced": synced,
-            "sharded": all(isinstance(p, DTensor) for p in model.parameters())}
+            "sharded": all(isinstance(p, DTensor) for p in model.parameters()),
+            "names": [n for n, _ in model.named_parameters()]}
 
 
 def _assert_close(got: dict, want: dict, what: str) -> None:
@@ -147,6 +148,18 @@ def test_fabric_at_world_size_2_matches_single_device_fabric(
         other = _reference(*start, steps=4)
         worst = max((other["state"][k] - want["state"][k]).abs().max().item() for k in want["state"])
         assert worst > 1e-3
+
+
+@pytest.mark.slow
+def test_fabric_with_compiled_checkpointed_blocks_matches_single_device_fabric(start: tuple[str, str]) -> None:
+    """compile=True and whole-block checkpointing under Fabric: the same adapters and losses (1e-4), clean names."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    want = _reference(*start, steps=4)
+    strategy = {"compile": True, "activation_checkpointing_policy": {LlamaDecoderLayer}}
+    for rank in run_distributed(_sharded, 2, *start, 4, 1, None, False, strategy, timeout=900):
+        _assert_close(rank, want, "compile")
+        assert not any("_orig_mod" in n for n in rank["names"])
 
 
 # --------------------------------------------------------------------------- checkpoints: save, load, resume

@@ -38,6 +38,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.optim import Optimizer
 
 from lightning_fsdp2._processes import ProcessesMixin
+from lightning_fsdp2.blocks import SavePolicy
 from lightning_fsdp2.checkpoint import formats
 from lightning_fsdp2.checkpoint.files import (
     FORMAT_KEY,
@@ -98,8 +99,10 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
     """Fully Sharded Data Parallel with FSDP2 (``fully_shard``) for Lightning Fabric.
 
     Takes the sharding and checkpoint arguments of the Trainer's :class:`lightning_fsdp2.FSDP2Strategy`, with the
-    same meaning: ``auto_wrap_policy``, ``activation_checkpointing_policy``, ``mixed_precision``,
-    ``reshard_after_forward``, ``cpu_offload``, ``device_mesh``, ``meta_init`` (what ``fabric.init_module()`` does when
+    same meaning: ``auto_wrap_policy``, ``activation_checkpointing_policy``, ``activation_checkpointing_every``,
+    ``activation_checkpointing_save``, ``mixed_precision``, ``reshard_after_forward``, ``cpu_offload``,
+    ``device_mesh``, ``compile``, ``forward_prefetch``, ``backward_prefetch``, ``reshard_last_block``,
+    ``offload_activations``, ``meta_init`` (what ``fabric.init_module()`` does when
     ``empty_init`` is not given), ``process_group_backend``, ``timeout``, ``state_dict_type`` and
     ``save_trainable_only``. Not here: ``start_method`` (Fabric starts processes by re-running the script, or
     runs under torchrun/SLURM) and ``async_save``.
@@ -125,6 +128,13 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         reshard_after_forward: bool | int = True,
         cpu_offload: bool | CPUOffloadPolicy = False,
         device_mesh: tuple[int, int] | DeviceMesh | None = None,
+        activation_checkpointing_every: int = 1,
+        activation_checkpointing_save: SavePolicy | None = None,
+        compile: bool | dict[str, Any] = False,
+        forward_prefetch: int = 0,
+        backward_prefetch: int = 1,
+        reshard_last_block: bool = True,
+        offload_activations: bool = False,
         meta_init: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -149,6 +159,13 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
                 reshard_after_forward=reshard_after_forward,
                 cpu_offload=cpu_offload,
                 device_mesh=device_mesh,
+                activation_checkpointing_every=activation_checkpointing_every,
+                activation_checkpointing_save=activation_checkpointing_save,
+                compile=compile,
+                forward_prefetch=forward_prefetch,
+                backward_prefetch=backward_prefetch,
+                reshard_last_block=reshard_last_block,
+                offload_activations=offload_activations,
             ),
             meta_init=meta_init,
             process_group_backend=process_group_backend,

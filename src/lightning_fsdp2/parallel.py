@@ -8,9 +8,11 @@ argument and everything it finds out is returned; nothing is stored on the user'
 
 1. the precision plugin converts the module (``*-true``: parameters stored in bf16/fp16; on ``meta`` only metadata);
 2. tensors built for real are made the same on every rank (rank 0's), so shards of one tensor fit together;
-3. activation checkpointing on the chosen modules (``wrap.py``), before any FSDP hook exists;
+3. activation checkpointing on the chosen modules, then ``torch.compile`` of each block (``blocks.py``), before any FSDP
+   hook exists;
 4. ``fully_shard`` bottom-up, then the roots (``wrap.py``); weights loaded with ``quantize="nf4"`` are read whole and
-   quantized just before their group's, one at a time (``quantize.py``), and split by it like any other;
+   quantized just before their group's, one at a time (``quantize.py``), and split by it like any other; the blocks'
+   prefetching set, and activation offloading hooked on the roots;
 5. each rank materializes its own shards, initializes what no pretrained weights cover (``init.py``), loads the slices
    of pretrained weights that ``load_pretrained`` declared (``checkpoint/pretrained.py``), derives what depends on
    them (DoRA magnitudes), then checks nothing was left unset.
@@ -19,7 +21,7 @@ argument and everything it finds out is returned; nothing is stored on the user'
 from __future__ import annotations
 
 import os
-from collections.abc import Generator
+from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -38,7 +40,18 @@ from lightning_fsdp2.init import (
     materialize_module,
     meta_tensor_names,
 )
-from lightning_fsdp2.wrap import ModulePolicy, apply_activation_checkpointing, no_kv_cache_in_training, shard_model
+from lightning_fsdp2.blocks import (
+    SavePolicy,
+    apply_activation_checkpointing,
+    check_checkpointing_with_compile,
+    check_compile_options,
+    check_save_policy,
+    checkpointed_names,
+    compile_blocks,
+    no_kv_cache_in_training,
+    offload_activations,
+)
+from lightning_fsdp2.wrap import ModulePolicy, block_names, innermost, root_names, set_prefetch, shard_model
 
 
 class ModulePrecision(Protocol):
@@ -61,6 +74,14 @@ class ShardingOptions:
     device_mesh: tuple[int, int] | DeviceMesh | None = None
     """``None``: shard over every rank. ``(replicate, shard)``: HSDP, each parameter sharded over groups of ``shard``
     ranks and replicated over ``replicate`` such groups. Or a ready 1-D (shard) or 2-D (replicate, shard) mesh."""
+    activation_checkpointing_every: int = 1
+    activation_checkpointing_save: SavePolicy | None = None
+    compile: Mapping[str, Any] | None = None
+    """``torch.compile``'s keyword arguments for each block, or ``None``: not compiled."""
+    forward_prefetch: int = 0
+    backward_prefetch: int = 1
+    reshard_last_block: bool = True
+    offload_activations: bool = False
 
     @classmethod
     def from_arguments(
@@ -72,20 +93,58 @@ class ShardingOptions:
         reshard_after_forward: bool | int,
         cpu_offload: bool | OffloadPolicy,
         device_mesh: tuple[int, int] | DeviceMesh | None = None,
+        activation_checkpointing_every: int = 1,
+        activation_checkpointing_save: SavePolicy | None = None,
+        compile: bool | Mapping[str, Any] = False,
+        forward_prefetch: int = 0,
+        backward_prefetch: int = 1,
+        reshard_last_block: bool = True,
+        offload_activations: bool = False,
     ) -> ShardingOptions:
-        """The options from a strategy's arguments (``cpu_offload=True`` is FSDP2's ``CPUOffloadPolicy()``)."""
+        """The options from a strategy's arguments (``cpu_offload=True`` is FSDP2's ``CPUOffloadPolicy()``,
+        ``compile=True`` is ``torch.compile``'s defaults), checked: a wrong one raises here, at construction."""
         offload = cpu_offload if isinstance(cpu_offload, OffloadPolicy) else (CPUOffloadPolicy() if cpu_offload else None)
         if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
             if not (isinstance(device_mesh, (tuple, list)) and len(device_mesh) == 2
-                    and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in device_mesh)):
+                    and all(_positive_int(n) for n in device_mesh)):
                 raise TypeError(
                     f"FSDP2Strategy(device_mesh={device_mesh!r}): pass a tuple (replicate, shard) of two positive ints"
                     " (HSDP: each parameter sharded over `shard` ranks, replicated `replicate` times; their product is"
                     " the number of processes), a DeviceMesh, or None to shard over every process."
                 )
             device_mesh = (device_mesh[0], device_mesh[1])
+        if not _positive_int(activation_checkpointing_every):
+            raise ValueError(
+                f"FSDP2Strategy(activation_checkpointing_every={activation_checkpointing_every!r}): a positive int, n"
+                " to checkpoint every n-th module activation_checkpointing_policy selects (1: all of them)."
+            )
+        check_save_policy(activation_checkpointing_save)
+        if activation_checkpointing_policy is None and (
+            activation_checkpointing_every != 1 or activation_checkpointing_save is not None
+        ):
+            raise ValueError(
+                "FSDP2Strategy(activation_checkpointing_every=..., activation_checkpointing_save=...) choose among the"
+                " modules activation_checkpointing_policy selects, and none is given: pass it too, e.g."
+                " activation_checkpointing_policy={LlamaDecoderLayer}."
+            )
+        if not isinstance(compile, (bool, Mapping)):
+            raise TypeError(
+                f"FSDP2Strategy(compile={compile!r}): pass True, a dict of torch.compile's keyword arguments, or False"
+                " (the default: not compiled)."
+            )
+        options = None if compile is False else ({} if compile is True else dict(compile))
+        if options is not None:
+            check_compile_options(options)
+        if not (_positive_int(forward_prefetch) or forward_prefetch == 0 and type(forward_prefetch) is int) \
+                or not _positive_int(backward_prefetch):
+            raise ValueError(
+                f"FSDP2Strategy(forward_prefetch={forward_prefetch!r}, backward_prefetch={backward_prefetch!r}): how many"
+                " blocks ahead to start all-gathering, an int >= 0 in forward and >= 1 in backward (0 and 1 are FSDP2's"
+                " own schedule)."
+            )
         return cls(auto_wrap_policy, activation_checkpointing_policy, mixed_precision, reshard_after_forward, offload,
-                   device_mesh)
+                   device_mesh, activation_checkpointing_every, activation_checkpointing_save, options,
+                   forward_prefetch, backward_prefetch, bool(reshard_last_block), bool(offload_activations))
 
     def check(self, world_size: int, device: torch.device, devices_per_node: int) -> None:
         """Raise, on every rank alike, for options that cannot work at this world size or on this device."""
@@ -93,6 +152,12 @@ class ShardingOptions:
             raise ValueError(
                 "FSDP2Strategy(cpu_offload=True) moves parameters from an accelerator to CPU memory, but this run is"
                 " already on the CPU. Remove `cpu_offload`, or train on GPUs (`accelerator='cuda'`)."
+            )
+        if self.offload_activations and device.type != "cuda":
+            raise ValueError(
+                f"FSDP2Strategy(offload_activations=True) moves the activations saved for backward from the GPU to CPU"
+                f" memory, but this run is on {device.type!r}, where they are in CPU memory already. Remove"
+                " `offload_activations`, or train on GPUs (`accelerator='cuda'`)."
             )
         shard = self.check_mesh(world_size, devices_per_node, device)
         resharded = self.reshard_after_forward
@@ -153,6 +218,10 @@ class ShardingOptions:
         return init_device_mesh(device_type, mesh, mesh_dim_names=("replicate", "shard"))
 
 
+def _positive_int(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n > 0
+
+
 def shard_group_size(mesh: DeviceMesh) -> int:
     """How many ranks each parameter is split over: the last dimension of the mesh (FSDP2's HSDP replicates over the
     first of a 2-D mesh)."""
@@ -196,9 +265,25 @@ def parallelize(
     check_peft_supported(module, training=training)
     module = precision.convert_module(module)
     broadcast_real_tensors(module, device)
+    blocks = innermost(block_names(module, options.auto_wrap_policy))
+    compiled = blocks if options.compile is not None else []
+    if options.compile is not None and not blocks:
+        raise ValueError(
+            "FSDP2Strategy(compile=...) compiles the blocks auto_wrap_policy selects, and it selected none in"
+            f" {type(module).__name__}. Name the repeated block class: auto_wrap_policy={{DecoderLayerClass}}."
+        )
+    checkpointed = []
     if options.activation_checkpointing_policy is not None:
-        checkpointed = apply_activation_checkpointing(module, options.activation_checkpointing_policy)
-        no_kv_cache_in_training(module, checkpointed)
+        checkpointed = checkpointed_names(module, options.activation_checkpointing_policy,
+                                          options.activation_checkpointing_every)
+    if compiled:
+        check_checkpointing_with_compile(checkpointed, compiled)
+        compile_blocks(module, compiled, options.compile, checkpointed, options.activation_checkpointing_save)
+    elif checkpointed:
+        apply_activation_checkpointing(module, checkpointed, options.activation_checkpointing_save)
+    no_kv_cache_in_training(module, checkpointed + compiled)
+    roots = [""] if module_is_root else root_names(module)
+    chains = [c for c in ([b for b in blocks if b == r or _below(b, r)] for r in roots) if c]  # each root's blocks, in order
     # QLoRA: the weights declared with quantize="nf4" become whole NF4 tensors just before the fully_shard of their
     # group, which splits them: beyond its shards a rank holds one group's whole NF4 weights, never the whole base.
     shards = shard_group_size(mesh)
@@ -225,7 +310,14 @@ def parallelize(
         model_is_root=module_is_root,
         ignored_params=alone,
         before_group=quantize_group,
+        # The last block of each root runs last in its forward and first in its backward: resharding it in between
+        # only buys an all-gather.
+        kept_after_forward=[chain[-1] for chain in chains] if not options.reshard_last_block else (),
     )
+    for chain in chains:  # prefetching within each root: another root's blocks may run in another order, or not at all
+        set_prefetch(module, chain, forward=options.forward_prefetch, backward=options.backward_prefetch)
+    if options.offload_activations:
+        offload_activations([module.get_submodule(name) for name in roots_of(module)])
     # Offloaded shards live in CPU memory; FSDP2 copies them to the device when it gathers them.
     storage = torch.device("cpu") if options.offload_policy is not None else device
     loaded = pretrained.covered
@@ -255,6 +347,17 @@ def broadcast_real_tensors(module: nn.Module, device: torch.device) -> None:
         torch.distributed.broadcast(staged, src=0)
         if staged is not tensor.data:
             tensor.data.copy_(staged)
+
+
+def roots_of(module: nn.Module) -> list[str]:
+    """The FSDP groups of ``module`` with no group above them: those the front-end's calls enter first."""
+    groups = [n for n, m in module.named_modules() if isinstance(m, FSDPModule)]
+    return [n for n in groups if not any(_below(n, above) for above in groups)]
+
+
+def _below(name: str, other: str) -> bool:
+    """Whether module ``name`` lies strictly inside module ``other``."""
+    return name != other and (other == "" or name.startswith(f"{other}."))
 
 
 def reshard(module: nn.Module) -> None:

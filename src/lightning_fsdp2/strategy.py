@@ -41,6 +41,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionP
 from torch.optim import Optimizer
 
 from lightning_fsdp2._processes import ProcessesMixin
+from lightning_fsdp2.blocks import SavePolicy
 from lightning_fsdp2.checkpoint import formats as ckpt
 from lightning_fsdp2.checkpoint.files import remove as remove_checkpoint
 from lightning_fsdp2.checkpoint.plan import tied_aliases
@@ -77,6 +78,25 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
             repeated children of an ``nn.ModuleList``. The root is always a group too.
         activation_checkpointing_policy: modules whose activations are recomputed in backward (same forms as
             ``auto_wrap_policy``); ``None`` for none. Applied before sharding.
+        activation_checkpointing_every: checkpoint only every n-th of the modules ``activation_checkpointing_policy``
+            selects (in model order: with 2 the second, fourth...); 1 (default) checkpoints them all.
+        activation_checkpointing_save: op-level selective checkpointing: the checkpointed modules keep the outputs
+            of these ops and recompute the rest. ``"matmuls"`` (matrix multiplications and attention kernels), a
+            collection of ATen operators, or a ``torch.utils.checkpoint`` policy function ``(ctx, op, *args,
+            **kwargs) -> CheckpointPolicy``. ``None`` (default): recompute everything.
+        compile: ``torch.compile`` each block (the innermost modules ``auto_wrap_policy`` selects) after activation
+            checkpointing and before sharding: ``True``, or a dict of ``torch.compile``'s keyword arguments
+            (``{"mode": "max-autotune"}``...). Training forwards run compiled, evaluation eagerly. Parameter names
+            and checkpoints are unchanged.
+        forward_prefetch: in forward, each block starts the all-gathers of the next n blocks of its root (0,
+            default: FSDP2's own schedule, each block gathered when its forward starts).
+        backward_prefetch: in backward, each block starts the all-gathers of the n blocks before it (1, default:
+            FSDP2's own).
+        reshard_last_block: free the last block's gathered parameters after its forward like the others'
+            (``True``, default), or keep them to its backward, which comes first (one all-gather less per step for
+            one block's parameters held meanwhile). Only matters when ``reshard_after_forward`` is not ``False``.
+        offload_activations: keep the activations saved for backward (not the weights) in pinned CPU memory between
+            each root's training forward and its backward. CUDA only.
         mixed_precision: an FSDP2 ``MixedPrecisionPolicy`` that overrides the one derived from
             ``Trainer(precision=...)``.
         reshard_after_forward: ``True`` frees gathered parameters after forward (least memory), ``False`` keeps
@@ -121,6 +141,13 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         reshard_after_forward: bool | int = True,
         cpu_offload: bool | CPUOffloadPolicy = False,
         device_mesh: tuple[int, int] | DeviceMesh | None = None,
+        activation_checkpointing_every: int = 1,
+        activation_checkpointing_save: SavePolicy | None = None,
+        compile: bool | dict[str, Any] = False,
+        forward_prefetch: int = 0,
+        backward_prefetch: int = 1,
+        reshard_last_block: bool = True,
+        offload_activations: bool = False,
         meta_init: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -151,6 +178,13 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
                 reshard_after_forward=reshard_after_forward,
                 cpu_offload=cpu_offload,
                 device_mesh=device_mesh,
+                activation_checkpointing_every=activation_checkpointing_every,
+                activation_checkpointing_save=activation_checkpointing_save,
+                compile=compile,
+                forward_prefetch=forward_prefetch,
+                backward_prefetch=backward_prefetch,
+                reshard_last_block=reshard_last_block,
+                offload_activations=offload_activations,
             ),
             meta_init=meta_init,
             process_group_backend=process_group_backend,

@@ -1,4 +1,4 @@
-"""Which modules become FSDP2 groups, and activation checkpointing (applied before sharding).
+"""Which modules become FSDP2 groups, in which order they are gathered (prefetching), and when they are freed.
 
 Each ``fully_shard(module)`` call makes one *group*: the parameters of ``module`` not already claimed by an inner
 group are all-gathered together before its forward and freed after. Groups must therefore be created inner-first
@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Any, Union
 
 import torch
@@ -69,53 +69,23 @@ def resolve_policy(policy: ModulePolicy | None, model: nn.Module) -> Callable[[s
     )
 
 
-def apply_activation_checkpointing(model: nn.Module, policy: ModulePolicy) -> list[str]:
-    """Recompute the selected modules' activations in backward instead of storing them; return their names.
-
-    Uses the composable ``checkpoint`` (hooks, no wrapper module), so parameter names stay clean. It must run
-    before ``fully_shard``: the recomputation then re-enters FSDP's own pre-forward hook, which all-gathers the
-    parameters again for the recomputed forward.
-    """
-    from torch.distributed._composable import checkpoint
-
+def block_names(model: nn.Module, policy: ModulePolicy | None = None) -> list[str]:
+    """The modules :func:`shard_model` makes groups of before the roots, in ``named_modules`` order (the order a
+    stack of blocks runs in): those the policy selects that hold parameters, minus the two kinds it never makes groups
+    (see :func:`shard_model`)."""
     select = resolve_policy(policy, model)
-    chosen = [(name, module) for name, module in model.named_modules() if name and select(name, module)]
-    for _, module in chosen:
-        checkpoint(module)
-    return [name for name, _ in chosen]
+    inside_adapter = _names_inside_adapter_layers(model)
+    owners = _parameter_owners(model)
+    return [
+        name for name, module in model.named_modules()
+        if name and name not in inside_adapter and select(name, module)
+        and any(True for _ in module.parameters()) and not _shares_parameters_outside(name, module, owners)
+    ]
 
 
-def no_kv_cache_in_training(model: nn.Module, checkpointed: list[str]) -> None:
-    """Turn the key/value cache off for the training forwards of the Hugging Face models in ``model`` that hold a
-    checkpointed module (``config.use_cache=True``).
-
-    A model that returns its key/value cache from a training forward (T5 does by default) makes the recomputed forward
-    save other tensors than the first one, which torch's checkpoint refuses ("A different number of tensors was
-    saved"). Transformers' own checkpointing turns the cache off when ``self.training`` and gradients are enabled;
-    the hooks registered here do the same around each such forward, and put the setting back after it (also after an
-    error): generation and evaluation keep the cache, and the config saved with the model is unchanged. Hooks on the
-    model, so it holds whichever front-end calls it (the Trainer's steps, a Fabric loop).
-    """
-    seen: list[Any] = []
-    for name, sub in model.named_modules():
-        config = getattr(sub, "config", None)
-        holds = any(name == "" or c.startswith(f"{name}.") for c in checkpointed)
-        if not (getattr(config, "use_cache", False) and holds) or any(config is c for c in seen):
-            continue
-        seen.append(config)
-        saved: list[bool] = []
-
-        def before(module: nn.Module, _args: Any, config: Any = config, saved: list[bool] = saved) -> None:
-            saved.append(config.use_cache)
-            if module.training and torch.is_grad_enabled():
-                config.use_cache = False
-
-        def after(_module: nn.Module, _args: Any, _output: Any, config: Any = config, saved: list[bool] = saved) -> None:
-            if saved:
-                config.use_cache = saved.pop()
-
-        sub.register_forward_pre_hook(before)
-        sub.register_forward_hook(after, always_call=True)
+def innermost(names: list[str]) -> list[str]:
+    """The names in ``names`` with no other of them below them (a stack's blocks, not a group that holds blocks)."""
+    return [n for n in names if not any(o.startswith(f"{n}.") for o in names)]
 
 
 def shard_model(
@@ -129,6 +99,7 @@ def shard_model(
     model_is_root: bool = False,
     ignored_params: set[nn.Parameter] | None = None,
     before_group: Callable[[str, nn.Module], None] | None = None,
+    kept_after_forward: Collection[str] = (),
 ) -> list[str]:
     """Apply ``fully_shard`` to the selected modules bottom-up, then to the roots; return the groups' names.
 
@@ -141,6 +112,8 @@ def shard_model(
     ``model_is_root``: ``model`` is the root whatever it holds, for a front-end that calls ``model`` itself (Fabric
     calls the module given to ``setup_module``). ``ignored_params``: parameters FSDP2 leaves alone (whole, local).
     ``before_group(name, module)`` runs just before each ``fully_shard`` (QLoRA quantizes the group's weights there).
+    ``kept_after_forward``: groups whose parameters stay gathered from forward to backward whatever
+    ``reshard_after_forward`` says (the last block: backward needs it first).
 
     Two kinds of modules are never made groups of their own, whatever the policy says:
 
@@ -149,7 +122,6 @@ def shard_model(
     * modules whose parameters are shared with a module outside them (tied embeddings): a parameter can belong to
       one group only, so it is left to the enclosing group (at worst the root) that holds every user of it.
     """
-    select = resolve_policy(policy, model)
     mp_policy = mp_policy or MixedPrecisionPolicy()
     kwargs = {
         "mesh": mesh,
@@ -162,18 +134,14 @@ def shard_model(
         kwargs["offload_policy"] = offload_policy
     if ignored_params:
         kwargs["ignored_params"] = ignored_params
-    inside_adapter = _names_inside_adapter_layers(model)
-    owners = _parameter_owners(model)
     groups: list[str] = []
-    # Post-order: `reversed(named_modules())` visits children before their parents, so inner groups come first.
-    for name, module in reversed(list(model.named_modules())):
-        if not name or name in inside_adapter or not select(name, module):
-            continue
-        if not any(True for _ in module.parameters()) or _shares_parameters_outside(name, module, owners):
-            continue
+    # Post-order: the reversed `named_modules()` order visits children before their parents, so inner groups come first.
+    for name in reversed(block_names(model, policy)):
+        module = model.get_submodule(name)
         if before_group is not None:
             before_group(name, module)
-        fully_shard(module, **kwargs)
+        kept = {"reshard_after_forward": False} if name in kept_after_forward else {}
+        fully_shard(module, **{**kwargs, **kept})
         groups.append(name)
     if not groups and _rank0():
         warnings.warn(
@@ -251,3 +219,19 @@ def _shares_parameters_outside(name: str, module: nn.Module, owners: dict[int, s
         for param in module.parameters()
         for owner in owners.get(id(param), ())  # parameters already in an inner group were replaced: skip them
     )
+
+
+def set_prefetch(model: nn.Module, blocks: list[str], forward: int = 0, backward: int = 1) -> None:
+    """Have each block's hooks start the all-gathers of the next ``forward`` blocks (in forward) and of the previous
+    ``backward`` blocks (in backward), ``blocks`` in the order they run.
+
+    FSDP2's own schedule (``forward=0, backward=1``) gathers a block when its forward starts and, in backward, the
+    block before the one whose backward starts. Issued earlier, an all-gather can run while the current block computes;
+    each block prefetched ahead holds its gathered parameters that much longer.
+    """
+    modules = [model.get_submodule(name) for name in blocks]
+    for i, module in enumerate(modules):
+        if forward > 0 and i + 1 < len(modules):
+            module.set_modules_to_forward_prefetch(modules[i + 1 : i + 1 + forward])
+        if backward > 1 and i > 0:
+            module.set_modules_to_backward_prefetch(list(reversed(modules[max(0, i - backward) : i])))
