@@ -362,3 +362,34 @@ def test_prefetch_and_the_kept_last_block_stay_within_each_root() -> None:
     tuned = run_distributed(_two_models, 2, {"forward_prefetch": 1, "backward_prefetch": 2, "reshard_last_block": False})[0]
     assert tuned["gathers"] == default["gathers"] - 2
     assert tuned["losses"] == pytest.approx(default["losses"], abs=1e-5)
+
+
+class _ConfigOnModule(LlamaModule):
+    """Keeps the model's config on the LightningModule too (`self.config`, as README's LoraLlama does)."""
+
+    def configure_model(self) -> None:
+        super().configure_model()
+        self.config = self.model.config
+
+
+def _fit_config_on_module(strategy_kwargs: dict) -> dict:
+    from torch._dynamo.utils import counters
+
+    module = _ConfigOnModule()
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(**strategy_kwargs), max_steps=2,
+                        limit_val_batches=0, **quiet_trainer_kwargs())
+    trainer.fit(module)
+    return {"losses": module.losses, "graph_breaks": sum(counters["graph_break"].values())}
+
+
+@pytest.mark.parametrize("compiled", [False, pytest.param(True, marks=pytest.mark.slow)], ids=["eager", "compiled"])
+def test_the_kv_cache_is_off_in_training_when_the_lightning_module_holds_the_config_too(compiled: bool) -> None:
+    """The cache is turned off on the Hugging Face model the steps call, not on the first module with a `config`:
+    with the LightningModule holding `self.config`, op-level checkpointing would otherwise meet the cache's updates in
+    its recomputation ("... encountered during backward but not found in storage"), and a compiled block would break
+    its graph on them."""
+    strategy = {"activation_checkpointing_policy": _blocks(), "activation_checkpointing_save": "matmuls",
+                "compile": compiled}
+    result = run_distributed(_fit_config_on_module, 2, strategy, timeout=900)[0]
+    assert len(result["losses"]) == 2 and all(torch.isfinite(torch.tensor(result["losses"])))
+    assert result["graph_breaks"] == 0

@@ -216,8 +216,8 @@ def _to_device(packed: Any) -> torch.Tensor:
 
 
 def no_kv_cache_in_training(model: nn.Module, modules: list[str]) -> None:
-    """Turn the key/value cache off for the training forwards of the Hugging Face models in ``model`` that hold one
-    of ``modules`` (checkpointed or compiled ones) and have ``config.use_cache=True``.
+    """Turn the key/value cache off for the training forwards of the Hugging Face models (``PreTrainedModel``) in
+    ``model`` that hold one of ``modules`` (checkpointed or compiled ones) and have ``config.use_cache=True``.
 
     A model that returns its key/value cache from a training forward (T5 does by default) makes the recomputed forward
     save other tensors than the first one, which torch's checkpoint refuses ("A different number of tensors was
@@ -227,9 +227,13 @@ def no_kv_cache_in_training(model: nn.Module, modules: list[str]) -> None:
     error): generation and evaluation keep the cache, and the config saved with the model is unchanged. Hooks on the
     model, so it holds whichever front-end calls it (the Trainer's steps, a Fabric loop).
     """
+    from transformers import PreTrainedModel
+
     seen: list[Any] = []
     for name, sub in model.named_modules():
-        config = getattr(sub, "config", None)
+        # The Hugging Face models themselves, whose forward the steps call (through peft's wrapper, if any): not any
+        # module with a `config` attribute (a LightningModule keeping `self.config` is never called as a module).
+        config = getattr(sub, "config", None) if isinstance(sub, PreTrainedModel) else None
         holds = any(name == "" or c.startswith(f"{name}.") for c in modules)
         if not (getattr(config, "use_cache", False) and holds) or any(config is c for c in seen):
             continue
