@@ -23,7 +23,7 @@ from typing import Any, Literal, Union
 import torch
 from torch import nn
 
-from lightning_fsdp2.wrap import ModulePolicy, resolve_policy
+from lightning_fsdp2.wrap import ModulePolicy, inside, resolve_policy
 
 SavePolicy = Union[Literal["matmuls"], Collection[Any], Callable[..., Any]]
 """Op-level selective checkpointing: what a checkpointed module saves instead of recomputing. ``"matmuls"`` (the
@@ -234,7 +234,7 @@ def no_kv_cache_in_training(model: nn.Module, modules: list[str]) -> None:
         # The Hugging Face models themselves, whose forward the steps call (through peft's wrapper, if any): not any
         # module with a `config` attribute (a LightningModule keeping `self.config` is never called as a module).
         config = getattr(sub, "config", None) if isinstance(sub, PreTrainedModel) else None
-        holds = any(name == "" or c.startswith(f"{name}.") for c in modules)
+        holds = any(inside(c, name) for c in modules)
         if not (getattr(config, "use_cache", False) and holds) or any(config is c for c in seen):
             continue
         seen.append(config)

@@ -51,7 +51,7 @@ from lightning_fsdp2.blocks import (
     no_kv_cache_in_training,
     offload_activations,
 )
-from lightning_fsdp2.wrap import ModulePolicy, block_names, innermost, root_names, set_prefetch, shard_model
+from lightning_fsdp2.wrap import ModulePolicy, block_names, fsdp_roots, innermost, schedule_blocks, shard_model
 
 
 class ModulePrecision(Protocol):
@@ -135,8 +135,7 @@ class ShardingOptions:
         options = None if compile is False else ({} if compile is True else dict(compile))
         if options is not None:
             check_compile_options(options)
-        if not (_positive_int(forward_prefetch) or forward_prefetch == 0 and type(forward_prefetch) is int) \
-                or not _positive_int(backward_prefetch):
+        if not (_int_at_least(forward_prefetch, 0) and _int_at_least(backward_prefetch, 1)):
             raise ValueError(
                 f"FSDP2Strategy(forward_prefetch={forward_prefetch!r}, backward_prefetch={backward_prefetch!r}): how many"
                 " blocks ahead to start all-gathering, an int >= 0 in forward and >= 1 in backward (0 and 1 are FSDP2's"
@@ -218,8 +217,12 @@ class ShardingOptions:
         return init_device_mesh(device_type, mesh, mesh_dim_names=("replicate", "shard"))
 
 
+def _int_at_least(n: Any, low: int) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= low
+
+
 def _positive_int(n: Any) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n > 0
+    return _int_at_least(n, 1)
 
 
 def shard_group_size(mesh: DeviceMesh) -> int:
@@ -282,8 +285,6 @@ def parallelize(
     elif checkpointed:
         apply_activation_checkpointing(module, checkpointed, options.activation_checkpointing_save)
     no_kv_cache_in_training(module, checkpointed + compiled)
-    roots = [""] if module_is_root else root_names(module)
-    chains = [c for c in ([b for b in blocks if b == r or _below(b, r)] for r in roots) if c]  # each root's blocks, in order
     # QLoRA: the weights declared with quantize="nf4" become whole NF4 tensors just before the fully_shard of their
     # group, which splits them: beyond its shards a rank holds one group's whole NF4 weights, never the whole base.
     shards = shard_group_size(mesh)
@@ -310,14 +311,11 @@ def parallelize(
         model_is_root=module_is_root,
         ignored_params=alone,
         before_group=quantize_group,
-        # The last block of each root runs last in its forward and first in its backward: resharding it in between
-        # only buys an all-gather.
-        kept_after_forward=[chain[-1] for chain in chains] if not options.reshard_last_block else (),
     )
-    for chain in chains:  # prefetching within each root: another root's blocks may run in another order, or not at all
-        set_prefetch(module, chain, forward=options.forward_prefetch, backward=options.backward_prefetch)
+    schedule_blocks(module, blocks, forward=options.forward_prefetch, backward=options.backward_prefetch,
+                    reshard_last=options.reshard_last_block)
     if options.offload_activations:
-        offload_activations([module.get_submodule(name) for name in roots_of(module)])
+        offload_activations([module.get_submodule(name) for name in fsdp_roots(module)])
     # Offloaded shards live in CPU memory; FSDP2 copies them to the device when it gathers them.
     storage = torch.device("cpu") if options.offload_policy is not None else device
     loaded = pretrained.covered
@@ -347,17 +345,6 @@ def broadcast_real_tensors(module: nn.Module, device: torch.device) -> None:
         torch.distributed.broadcast(staged, src=0)
         if staged is not tensor.data:
             tensor.data.copy_(staged)
-
-
-def roots_of(module: nn.Module) -> list[str]:
-    """The FSDP groups of ``module`` with no group above them: those the front-end's calls enter first."""
-    groups = [n for n, m in module.named_modules() if isinstance(m, FSDPModule)]
-    return [n for n in groups if not any(_below(n, above) for above in groups)]
-
-
-def _below(name: str, other: str) -> bool:
-    """Whether module ``name`` lies strictly inside module ``other``."""
-    return name != other and (other == "" or name.startswith(f"{other}."))
 
 
 def reshard(module: nn.Module) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable, Collection
+from collections.abc import Callable
 from typing import Any, Union
 
 import torch
@@ -85,7 +85,18 @@ def block_names(model: nn.Module, policy: ModulePolicy | None = None) -> list[st
 
 def innermost(names: list[str]) -> list[str]:
     """The names in ``names`` with no other of them below them (a stack's blocks, not a group that holds blocks)."""
-    return [n for n in names if not any(o.startswith(f"{n}.") for o in names)]
+    return [n for n in names if not any(inside(o, n) for o in names)]
+
+
+def inside(name: str, other: str) -> bool:
+    """Whether module ``name`` lies strictly inside module ``other`` (qualified names; ``""`` is the model)."""
+    return name != other and (other == "" or name.startswith(f"{other}."))
+
+
+def fsdp_roots(model: nn.Module) -> list[str]:
+    """The FSDP groups of ``model`` with no group above them: those the front-end's calls enter first."""
+    groups = [n for n, m in model.named_modules() if isinstance(m, FSDPModule)]
+    return [n for n in groups if not any(inside(n, above) for above in groups)]
 
 
 def shard_model(
@@ -99,7 +110,6 @@ def shard_model(
     model_is_root: bool = False,
     ignored_params: set[nn.Parameter] | None = None,
     before_group: Callable[[str, nn.Module], None] | None = None,
-    kept_after_forward: Collection[str] = (),
 ) -> list[str]:
     """Apply ``fully_shard`` to the selected modules bottom-up, then to the roots; return the groups' names.
 
@@ -112,8 +122,6 @@ def shard_model(
     ``model_is_root``: ``model`` is the root whatever it holds, for a front-end that calls ``model`` itself (Fabric
     calls the module given to ``setup_module``). ``ignored_params``: parameters FSDP2 leaves alone (whole, local).
     ``before_group(name, module)`` runs just before each ``fully_shard`` (QLoRA quantizes the group's weights there).
-    ``kept_after_forward``: groups whose parameters stay gathered from forward to backward whatever
-    ``reshard_after_forward`` says (the last block: backward needs it first).
 
     Two kinds of modules are never made groups of their own, whatever the policy says:
 
@@ -140,8 +148,7 @@ def shard_model(
         module = model.get_submodule(name)
         if before_group is not None:
             before_group(name, module)
-        kept = {"reshard_after_forward": False} if name in kept_after_forward else {}
-        fully_shard(module, **{**kwargs, **kept})
+        fully_shard(module, **kwargs)
         groups.append(name)
     if not groups and _rank0():
         warnings.warn(
@@ -221,17 +228,24 @@ def _shares_parameters_outside(name: str, module: nn.Module, owners: dict[int, s
     )
 
 
-def set_prefetch(model: nn.Module, blocks: list[str], forward: int = 0, backward: int = 1) -> None:
-    """Have each block's hooks start the all-gathers of the next ``forward`` blocks (in forward) and of the previous
-    ``backward`` blocks (in backward), ``blocks`` in the order they run.
+def schedule_blocks(model: nn.Module, blocks: list[str], forward: int = 0, backward: int = 1,
+                    reshard_last: bool = True) -> None:
+    """After sharding: have each block's hooks start the all-gathers of the next ``forward`` blocks (in forward) and of
+    the previous ``backward`` blocks (in backward), and with ``reshard_last=False`` keep the last block gathered from
+    its forward to its backward. ``blocks`` in the order they run; chained within each FSDP root only (another root's
+    blocks may run in another order, or not at all).
 
     FSDP2's own schedule (``forward=0, backward=1``) gathers a block when its forward starts and, in backward, the
     block before the one whose backward starts. Issued earlier, an all-gather can run while the current block computes;
-    each block prefetched ahead holds its gathered parameters that much longer.
+    each block prefetched ahead holds its gathered parameters that much longer. The last block runs last in forward
+    and first in backward: resharding it in between only buys an all-gather.
     """
-    modules = [model.get_submodule(name) for name in blocks]
-    for i, module in enumerate(modules):
-        if forward > 0 and i + 1 < len(modules):
-            module.set_modules_to_forward_prefetch(modules[i + 1 : i + 1 + forward])
-        if backward > 1 and i > 0:
-            module.set_modules_to_backward_prefetch(list(reversed(modules[max(0, i - backward) : i])))
+    for root in fsdp_roots(model):
+        modules = [model.get_submodule(b) for b in blocks if b == root or inside(b, root)]
+        for i, module in enumerate(modules):
+            if forward > 0 and i + 1 < len(modules):
+                module.set_modules_to_forward_prefetch(modules[i + 1 : i + 1 + forward])
+            if backward > 1 and i > 0:
+                module.set_modules_to_backward_prefetch(list(reversed(modules[max(0, i - backward) : i])))
+        if modules and not reshard_last:
+            modules[-1].set_reshard_after_forward(False, recurse=False)
