@@ -23,7 +23,8 @@ held when ``fit`` started.
 
 ``--knobs`` puts FSDP2Strategy's per-block options side by side at world size 2: eager against ``compile=True``,
 activation checkpointing of none / every block / every 2nd block / every block saving its matmuls
-(``activation_checkpointing_save="matmuls"``), ``forward_prefetch=1``, ``reshard_last_block=False``, and the peer
+(``activation_checkpointing_save="matmuls"``), ``forward_prefetch=1``, ``reshard_last_block=False``,
+``unmatched_forward_timeout=None`` (the check of forwards outside training off: what it costs training), and the peer
 ``model_parallel+compile``: ModelParallelStrategy with the hand-written torchtitan recipe (``torch.compile`` each
 decoder layer, then ``fully_shard`` it). Compile time is reported apart: the first step's time minus a steady step's.
 
@@ -114,6 +115,7 @@ KNOBS = {  # FSDP2Strategy arguments of the --knobs contenders
     "fsdp2+compile+ac": {"compile": True, "activation_checkpointing_policy": "blocks"},
     "fsdp2+forward_prefetch": {"forward_prefetch": 1},
     "fsdp2+keep_last_block": {"reshard_last_block": False},
+    "fsdp2+no_forward_check": {"unmatched_forward_timeout": None},  # what lockstep.py costs a training step
 }
 
 

@@ -1,5 +1,6 @@
-"""Errors raised in one process, each with the message docs/troubleshooting.md quotes (test_docs checks that every
-entry there names the test that triggers it). The ones that need several processes are in the other test files."""
+"""Errors raised in one process (and a few at world size 2 that belong to no other module), each with the message
+docs/troubleshooting.md quotes (test_docs checks that every entry there names the test that triggers it). The other
+ones that need several processes are in the other test files."""
 
 from __future__ import annotations
 
@@ -97,3 +98,55 @@ def test_optimizer_state_that_does_not_fit_is_named() -> None:
     with pytest.raises(CheckpointFileError, match=r"The optimizer state 'exp_avg' of '0.weight' is \(5,\) in the checkpoint"
                        r" but \(3, 4\) in the optimizer"):
         load_optimizers(model, [optimizer], {"optimizer_states": [wrong]})
+
+
+def test_flags_are_bools_and_reshard_sizes_that_cannot_apply_say_so() -> None:
+    from lightning_fsdp2.parallel import ShardingOptions
+
+    with pytest.raises(TypeError, match=r"reshard_last_block='no'\): pass True or False"):
+        FSDP2Strategy(reshard_last_block="no")
+    with pytest.raises(TypeError, match=r"offload_activations=1\): pass True or False"):
+        FSDP2Strategy(offload_activations=1)
+    options = ShardingOptions.from_arguments(auto_wrap_policy=None, activation_checkpointing_policy=None,
+                                             mixed_precision=None, reshard_after_forward=3, cpu_offload=False)
+    with pytest.raises(ValueError, match="2 ranks have none"):  # no int applies at all
+        options.check(2, torch.device("cpu"), devices_per_node=2)
+    with pytest.raises(ValueError, match="a divisor of 4 other than 1 and 4"):
+        options.check(4, torch.device("cpu"), devices_per_node=4)
+
+
+def test_an_option_that_cannot_be_pickled_is_refused_when_the_start_method_pickles() -> None:
+    policy = {torch.nn.Linear}
+    with pytest.raises(ValueError, match="cannot be pickled .* Pass activation_checkpointing_save=\"matmuls\""):
+        FSDP2Strategy(activation_checkpointing_policy=policy, activation_checkpointing_save={torch.ops.aten.mm.default},
+                      start_method="spawn")
+    FSDP2Strategy(activation_checkpointing_policy=policy, activation_checkpointing_save="matmuls", start_method="spawn")
+    FSDP2Strategy(activation_checkpointing_policy=policy, activation_checkpointing_save={torch.ops.aten.mm.default})
+
+
+def _fit_from_saved_adapter_config(adapter: str) -> str:
+    import lightning as L
+    from peft import PeftConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from tests.models import LlamaModule, quiet_trainer_kwargs
+
+    class FromSaved(LlamaModule):
+        def configure_model(self) -> None:
+            if self.model is None:
+                self.model = get_peft_model(LlamaForCausalLM(tiny_llama_config()), PeftConfig.from_pretrained(adapter))
+
+    try:
+        L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), max_steps=1,
+                  **quiet_trainer_kwargs()).fit(FromSaved())
+    except ValueError as err:
+        return str(err)
+    return "trained"
+
+
+def test_a_run_from_a_saved_adapter_config_is_refused_at_set_up(tmp_path: Path) -> None:
+    from tests.helpers import run_distributed
+
+    build_llama(lora=True).save_pretrained(tmp_path / "adapter")
+    for message in run_distributed(_fit_from_saved_adapter_config, 2, str(tmp_path / "adapter")):
+        assert "were made with inference_mode=True" in message and "config.inference_mode = False" in message, message

@@ -278,5 +278,7 @@ def test_shard_groups_that_straddle_nodes_and_malformed_meshes_are_refused() -> 
     for bad in ((2,), (2, 0), (2.0, 2), "2x2", (True, 2)):
         with pytest.raises(TypeError, match=r"pass a tuple \(replicate, shard\) of two positive ints"):
             options(bad)
-    with pytest.raises(ValueError, match=r"a divisor of 2 other than 1 and 2"):
+    with pytest.raises(ValueError, match=r"2 ranks have none \(no divisor of 2 other than 1 and itself\)"):
         options((2, 2), reshard=2).check(4, torch.device("cpu"), devices_per_node=2)
+    with pytest.raises(ValueError, match=r"a divisor of 4 other than 1 and 4"):
+        options((1, 4), reshard=3).check(4, torch.device("cpu"), devices_per_node=4)

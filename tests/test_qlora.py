@@ -488,3 +488,22 @@ def test_without_torchao_the_error_names_the_extra(start: tuple[str, str]) -> No
     assert "plain load planned without torchao" in proc.stdout, proc.stderr[-2000:]
     assert "ImportError: load_pretrained(..., quantize='nf4') stores the base in torchao's NF4Tensor" in proc.stderr
     assert "pip install lightning-fsdp2[qlora]" in proc.stderr
+
+
+def _load_state_dict_into_nf4(base: str, adapter: str) -> str:
+    from lightning_fsdp2 import FSDP2Strategy
+
+    module = QLoRAModule(base, adapter)
+    L.Trainer(accelerator="cpu", devices=world(), strategy=FSDP2Strategy(), precision="32-true", max_steps=1,
+              **quiet_trainer_kwargs()).fit(module)
+    whole = {k: torch.zeros(v.shape) for k, v in module.model.state_dict().items()}
+    try:
+        module.model.load_state_dict(whole)
+    except RuntimeError as err:
+        return str(err)
+    return "loaded"
+
+
+def test_load_state_dict_into_nf4_weights_is_refused_on_every_rank(start: tuple[str, str]) -> None:
+    for message in run_distributed(_load_state_dict_into_nf4, 2, *start):
+        assert "is stored in NF4" in message and "q_proj.base_layer.weight" in message, message

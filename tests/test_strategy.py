@@ -326,7 +326,7 @@ def _error_of(case: str) -> str:
         ("rebuild", r"RuntimeError: `configure_model` built new layers on a model that is already sharded"),
         ("offload", r"ValueError: FSDP2Strategy\(cpu_offload=True\) .* already on the CPU"),
         ("reshard", r"ValueError: FSDP2Strategy\(reshard_after_forward=2\) with parameters sharded over 2 ranks"
-                    r".* divisor of 2 other than 1"),
+                    r".* and 2 ranks have none \(no divisor of 2 other than 1 and itself\)"),
         ("ema", r"ValueError: EMAWeightAveraging does not work with FSDP2Strategy: it deep-copies the whole model.*"
                 r"lightning_fsdp2.averaging"),
         ("swa", r"ValueError: StochasticWeightAveraging does not work with FSDP2Strategy.*lightning_fsdp2.averaging"),

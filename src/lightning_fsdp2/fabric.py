@@ -31,6 +31,7 @@ from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _apply_filter, _BackwardSyncControl
+from lightning.fabric.utilities.rank_zero import rank_zero_warn
 from lightning.fabric.utilities.types import _PATH, ReduceOp, _Stateful
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
@@ -47,6 +48,7 @@ from lightning_fsdp2.checkpoint.files import (
     is_sharded_checkpoint,
     load_torch_file,
 )
+from lightning_fsdp2.checkpoint.module_load import install_optimizer_load_hook
 from lightning_fsdp2.checkpoint.plan import tied_aliases
 from lightning_fsdp2.checkpoint.pretrained import load_pretrained
 from lightning_fsdp2.init import meta_init_context
@@ -57,6 +59,7 @@ from lightning_fsdp2.parallel import (
     no_gradient_sync,
     parallelize,
     reshard,
+    untrainable_reason,
 )
 from lightning_fsdp2.precision import PrecisionCore, clip_grad_norm_, convert_stock_precision
 from lightning_fsdp2.strategy import StateDictType
@@ -102,7 +105,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
     same meaning: ``auto_wrap_policy``, ``activation_checkpointing_policy``, ``activation_checkpointing_every``,
     ``activation_checkpointing_save``, ``mixed_precision``, ``reshard_after_forward``, ``cpu_offload``,
     ``device_mesh``, ``compile``, ``forward_prefetch``, ``backward_prefetch``, ``reshard_last_block``,
-    ``offload_activations``, ``meta_init`` (what ``fabric.init_module()`` does when
+    ``offload_activations``, ``unmatched_forward_timeout``, ``meta_init`` (what ``fabric.init_module()`` does when
     ``empty_init`` is not given), ``process_group_backend``, ``timeout``, ``state_dict_type`` and
     ``save_trainable_only``. Not here: ``start_method`` (Fabric starts processes by re-running the script, or
     runs under torchrun/SLURM) and ``async_save``.
@@ -135,6 +138,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         backward_prefetch: int = 1,
         reshard_last_block: bool = True,
         offload_activations: bool = False,
+        unmatched_forward_timeout: float | None = 60.0,
         meta_init: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -166,6 +170,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
                 backward_prefetch=backward_prefetch,
                 reshard_last_block=reshard_last_block,
                 offload_activations=offload_activations,
+                unmatched_forward_timeout=unmatched_forward_timeout,
             ),
             meta_init=meta_init,
             process_group_backend=process_group_backend,
@@ -247,6 +252,9 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
             return module
         from lightning.pytorch import LightningModule
 
+        reason = untrainable_reason(module)  # Fabric cannot tell whether it will be trained: say it, once
+        if reason is not None:
+            rank_zero_warn(reason)
         # An optimizer made over these before set-up is re-pointed at the shards in `setup_optimizer`.
         self._originals[module] = [(weakref.ref(p), n) for n, p in module.named_parameters(remove_duplicate=False)]
         self._parallelized[module] = parallelize(
@@ -301,6 +309,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
             )
         for group, params in zip(optimizer.param_groups, groups):
             group["params"] = params
+        install_optimizer_load_hook(optimizer)  # optimizer.load_state_dict of a one-device run's state
         return optimizer
 
     def module_to_device(self, module: nn.Module) -> None:

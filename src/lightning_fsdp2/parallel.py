@@ -12,10 +12,13 @@ argument and everything it finds out is returned; nothing is stored on the user'
    hook exists;
 4. ``fully_shard`` bottom-up, then the roots (``wrap.py``); weights loaded with ``quantize="nf4"`` are read whole and
    quantized just before their group's, one at a time (``quantize.py``), and split by it like any other; the blocks'
-   prefetching set, and activation offloading hooked on the roots;
+   prefetching set, activation offloading hooked on the roots, and the roots' forwards outside training made to
+   wait for every rank for a bounded time (``lockstep.py``);
 5. each rank materializes its own shards, initializes what no pretrained weights cover (``init.py``), loads the slices
    of pretrained weights that ``load_pretrained`` declared (``checkpoint/pretrained.py``), derives what depends on
-   them (DoRA magnitudes), then checks nothing was left unset.
+   them (DoRA magnitudes), then checks nothing was left unset;
+6. ``load_state_dict`` hooks let code written for one device load whole tensors into the shards
+   (``checkpoint/module_load.py``).
 """
 
 from __future__ import annotations
@@ -31,7 +34,9 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
 
+from lightning_fsdp2.checkpoint.module_load import install_load_hooks
 from lightning_fsdp2.checkpoint.pretrained import PendingPretrained
+from lightning_fsdp2.lockstep import guard_forwards
 from lightning_fsdp2.init import (
     check_initialized,
     check_peft_supported,
@@ -82,6 +87,8 @@ class ShardingOptions:
     backward_prefetch: int = 1
     reshard_last_block: bool = True
     offload_activations: bool = False
+    unmatched_forward_timeout: float | None = 60.0
+    """Seconds a forward outside training waits for every rank to run it too (``None``: not checked)."""
 
     @classmethod
     def from_arguments(
@@ -100,6 +107,7 @@ class ShardingOptions:
         backward_prefetch: int = 1,
         reshard_last_block: bool = True,
         offload_activations: bool = False,
+        unmatched_forward_timeout: float | None = 60.0,
     ) -> ShardingOptions:
         """The options from a strategy's arguments (``cpu_offload=True`` is FSDP2's ``CPUOffloadPolicy()``,
         ``compile=True`` is ``torch.compile``'s defaults), checked: a wrong one raises here, at construction."""
@@ -141,9 +149,21 @@ class ShardingOptions:
                 " blocks ahead to start all-gathering, an int >= 0 in forward and >= 1 in backward (0 and 1 are FSDP2's"
                 " own schedule)."
             )
+        for name, flag in (("reshard_last_block", reshard_last_block), ("offload_activations", offload_activations)):
+            if not isinstance(flag, bool):
+                raise TypeError(f"FSDP2Strategy({name}={flag!r}): pass True or False.")
+        if unmatched_forward_timeout is not None and not (
+            isinstance(unmatched_forward_timeout, (int, float)) and not isinstance(unmatched_forward_timeout, bool)
+            and unmatched_forward_timeout > 0
+        ):
+            raise ValueError(
+                f"FSDP2Strategy(unmatched_forward_timeout={unmatched_forward_timeout!r}): seconds (> 0) a forward outside"
+                " training waits for every rank to run it too, or None to turn the check off."
+            )
         return cls(auto_wrap_policy, activation_checkpointing_policy, mixed_precision, reshard_after_forward, offload,
                    device_mesh, activation_checkpointing_every, activation_checkpointing_save, options,
-                   forward_prefetch, backward_prefetch, bool(reshard_last_block), bool(offload_activations))
+                   forward_prefetch, backward_prefetch, reshard_last_block, offload_activations,
+                   unmatched_forward_timeout)
 
     def check(self, world_size: int, device: torch.device, devices_per_node: int) -> None:
         """Raise, on every rank alike, for options that cannot work at this world size or on this device."""
@@ -161,6 +181,14 @@ class ShardingOptions:
         shard = self.check_mesh(world_size, devices_per_node, device)
         resharded = self.reshard_after_forward
         if not isinstance(resharded, bool) and not (1 < resharded < shard and shard % resharded == 0):
+            divisors = [d for d in range(2, shard) if shard % d == 0]
+            if not divisors:
+                raise ValueError(
+                    f"FSDP2Strategy(reshard_after_forward={resharded}) with parameters sharded over {shard} ranks: an"
+                    f" int is the size of smaller groups to reshard to after forward, and {shard} ranks have none"
+                    f" (no divisor of {shard} other than 1 and itself). Use True (free after forward) or False (keep"
+                    " to backward)."
+                )
             raise ValueError(
                 f"FSDP2Strategy(reshard_after_forward={resharded}) with parameters sharded over {shard} ranks: an int"
                 f" is the size of the groups parameters are resharded to after forward, a divisor of {shard} other"
@@ -265,6 +293,8 @@ def parallelize(
     """
     check_no_fsdp1(module)
     check_built(module)
+    if training:
+        check_trainable(module)
     check_peft_supported(module, training=training)
     module = precision.convert_module(module)
     broadcast_real_tensors(module, device)
@@ -314,8 +344,10 @@ def parallelize(
     )
     schedule_blocks(module, blocks, forward=options.forward_prefetch, backward=options.backward_prefetch,
                     reshard_last=options.reshard_last_block)
+    roots = [module.get_submodule(name) for name in fsdp_roots(module)]
     if options.offload_activations:
-        offload_activations([module.get_submodule(name) for name in fsdp_roots(module)])
+        offload_activations(roots)
+    guard_forwards(roots, options.unmatched_forward_timeout)
     # Offloaded shards live in CPU memory; FSDP2 copies them to the device when it gathers them.
     storage = torch.device("cpu") if options.offload_policy is not None else device
     loaded = pretrained.covered
@@ -327,6 +359,7 @@ def parallelize(
     pretrained.run(module)
     initialize_from_loaded(module, to_initialize)  # DoRA magnitudes: norms of the loaded base weights
     check_initialized(module, to_initialize, device)
+    install_load_hooks(module)  # module.load_state_dict of whole tensors from here on (code written for one device)
     return Parallelized(initialized=frozenset(to_initialize), quantized=frozenset(quantized))
 
 
@@ -420,6 +453,33 @@ def check_no_fsdp1(module: nn.Module) -> None:
             " itself with FSDP2: build the plain modules (in `configure_model`, or under `fabric.init_module()`) and"
             " remove the FullyShardedDataParallel wrapping."
         )
+
+
+def untrainable_reason(module: nn.Module) -> str | None:
+    """Why nothing in ``module`` is trainable, when the reason is its peft adapters made in inference mode
+    (``PeftConfig.from_pretrained`` returns the saved config, with ``inference_mode=True``); else ``None``. Without
+    this the run ends in torch's bare "optimizer got an empty parameter list", or trains nothing silently."""
+    if any(p.requires_grad for p in module.parameters()):
+        return None
+    configs = [getattr(sub, "peft_config", None) for sub in module.modules()]
+    frozen = sorted({name for config in configs if isinstance(config, Mapping)
+                     for name, c in config.items() if getattr(c, "inference_mode", False)})
+    if not frozen:
+        return None
+    return (
+        f"Nothing in {type(module).__name__} is trainable: its peft adapter(s) {frozen} were made with"
+        " inference_mode=True (what PeftConfig.from_pretrained / LoraConfig.from_pretrained return for saved"
+        " adapters), which freezes them, and the base is frozen too. Set `config.inference_mode = False` before"
+        " `get_peft_model`, or load saved adapters with `lightning_fsdp2.lora.load_adapter` into a model made from a"
+        " fresh config."
+    )
+
+
+def check_trainable(module: nn.Module) -> None:
+    """Raise :func:`untrainable_reason`'s message, if any (a model about to be trained)."""
+    reason = untrainable_reason(module)
+    if reason is not None:
+        raise ValueError(reason)
 
 
 def check_built(module: nn.Module) -> None:

@@ -44,6 +44,7 @@ from lightning_fsdp2._processes import ProcessesMixin
 from lightning_fsdp2.blocks import SavePolicy
 from lightning_fsdp2.checkpoint import formats as ckpt
 from lightning_fsdp2.checkpoint.files import remove as remove_checkpoint
+from lightning_fsdp2.checkpoint.module_load import install_optimizer_load_hook
 from lightning_fsdp2.checkpoint.plan import tied_aliases
 from lightning_fsdp2.checkpoint.stream import sharded_entries
 from lightning_fsdp2.init import meta_init_context
@@ -97,6 +98,10 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
             one block's parameters held meanwhile). Only matters when ``reshard_after_forward`` is not ``False``.
         offload_activations: keep the activations saved for backward (not the weights) in pinned CPU memory between
             each root's training forward and its backward. CUDA only.
+        unmatched_forward_timeout: seconds a forward outside training (evaluation, ``generate``, any forward under
+            ``torch.no_grad()`` or in ``eval()`` mode) waits for every rank to run it too, then raises naming the
+            cause, instead of hanging in its all-gathers until ``timeout`` (a forward on rank 0 alone, e.g. sampling
+            on rank 0 only). Default 60; ``None`` turns the check off. Training forwards are not checked.
         mixed_precision: an FSDP2 ``MixedPrecisionPolicy`` that overrides the one derived from
             ``Trainer(precision=...)``.
         reshard_after_forward: ``True`` frees gathered parameters after forward (least memory), ``False`` keeps
@@ -148,6 +153,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         backward_prefetch: int = 1,
         reshard_last_block: bool = True,
         offload_activations: bool = False,
+        unmatched_forward_timeout: float | None = 60.0,
         meta_init: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -185,6 +191,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
                 backward_prefetch=backward_prefetch,
                 reshard_last_block=reshard_last_block,
                 offload_activations=offload_activations,
+                unmatched_forward_timeout=unmatched_forward_timeout,
             ),
             meta_init=meta_init,
             process_group_backend=process_group_backend,
@@ -197,6 +204,8 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
                 "FSDP2Strategy(async_save=True) writes sharded checkpoints in the background; a full checkpoint is"
                 " gathered to rank 0 while it is written. Pass state_dict_type='sharded' as well, or drop async_save."
             )
+        if start_method in ("spawn", "forkserver"):
+            _check_picklable(self._sharding, start_method)
         self._start_method = start_method
         self._async_save = async_save
         self._background: ckpt.BackgroundWriter | None = None  # made in setup_environment (it makes a process group)
@@ -285,6 +294,8 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         self.barrier()
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
+            for optimizer in self.optimizers:  # optimizer.load_state_dict of a one-device run's state
+                install_optimizer_load_hook(getattr(optimizer, "_optimizer", optimizer))
         self.setup_precision_plugin()
 
     def parallelize(self, module: pl.LightningModule) -> pl.LightningModule:
@@ -536,6 +547,26 @@ def _load_trained_in_main_process(module: pl.LightningModule, state: dict[str, A
         )
         return
     module.load_state_dict(state, strict=False)
+
+
+def _check_picklable(options: ShardingOptions, start_method: str) -> None:
+    """``start_method="spawn"``/``"forkserver"`` pickle the strategy into each new process: refuse now, at
+    construction, an option that cannot be pickled (ATen operator sets do not), rather than when ``fit`` starts."""
+    import dataclasses
+    import pickle
+
+    for field in dataclasses.fields(options):
+        value = getattr(options, field.name)
+        try:
+            pickle.dumps(value)
+        except Exception as err:  # noqa: BLE001 - pickle raises several types
+            hint = ' Pass activation_checkpointing_save="matmuls" (matrix multiplications and attention kernels, chosen by name in each process).' if (
+                field.name == "activation_checkpointing_save") else ""
+            raise ValueError(
+                f"FSDP2Strategy({field.name}={value!r}) cannot be pickled ({err}), and start_method={start_method!r}"
+                f" pickles the strategy into each process it starts.{hint} Or use start_method='popen' (the default,"
+                " which re-runs the script) or 'fork'."
+            ) from None
 
 
 def _as_fsdp2_precision(plugin: Precision | None) -> FSDP2Precision | None:

@@ -19,14 +19,16 @@ Every write goes to a temporary name beside the target and is renamed into place
 killed mid-save leaves the previous checkpoint as it was. Every read is ``weights_only=True`` or safetensors.
 
 The modules: ``files`` (safe reads and atomic writes), ``sources`` (tensors read a slice at a time), ``shards``
-(whole tensors to and from shards), ``plan`` (matching names and shapes), ``pretrained`` (``load_pretrained``),
+(whole tensors to and from shards), ``module_load`` (``load_state_dict`` of whole tensors on the sharded model, for
+code written for one device), ``plan`` (matching names and shapes), ``pretrained`` (``load_pretrained``),
 ``stream`` (a full checkpoint written as it is gathered), ``formats`` (the two checkpoint formats, as both strategies'
 hooks use them), ``safe_dcp`` (reading DCP directories without unpickling code). They are the package's internals;
 what users call is exported here.
 """
 
 from lightning_fsdp2.checkpoint.files import CheckpointFileError, is_sharded_checkpoint
+from lightning_fsdp2.checkpoint.module_load import full_state_dict
 from lightning_fsdp2.checkpoint.pretrained import load_pretrained
 from lightning_fsdp2.checkpoint.sources import PretrainedSource
 
-__all__ = ["CheckpointFileError", "PretrainedSource", "is_sharded_checkpoint", "load_pretrained"]
+__all__ = ["CheckpointFileError", "PretrainedSource", "full_state_dict", "is_sharded_checkpoint", "load_pretrained"]

@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from lightning_fsdp2.checkpoint.files import CheckpointFileError
+from lightning_fsdp2.checkpoint.module_load import load_through_model, uses_own_load_hooks
 from lightning_fsdp2.checkpoint.plan import (
     LoadPlan,
     adapter_names,
@@ -138,9 +139,19 @@ def declare_load(
     then the source must cover every adapter parameter and need not cover the base model."""
     # Checked now, while the user is still in configure_model, so that a wrong path or model fails before any
     # sharding; planned again after sharding, when get_peft_model may have renamed and added parameters.
-    opened = open_source(source) if adapters_only else with_conversions(module, open_source(source))
+    raw = open_source(source)
+    opened = raw if adapters_only else with_conversions(module, raw)
     deferred = any(p.is_meta for p in module.parameters())
-    plan = check_pretrained(module, opened, strict=strict, adapters_only=adapters_only, deferred=deferred)
+    try:
+        plan = check_pretrained(module, opened, strict=strict, adapters_only=adapters_only, deferred=deferred)
+    except CheckpointFileError:
+        if deferred or adapters_only or quantize or not uses_own_load_hooks(module):
+            raise
+        # Names that do not fit, on a model that maps checkpoint keys itself (LitGPT's LoRA layers rename
+        # `qkv.weight` to `qkv.linear.weight` in their `_load_from_state_dict`): load through torch's own
+        # load_state_dict, so that the model's mapping, and torch's `strict`, decide as in one process.
+        load_through_model(module, raw, strict=strict)
+        return
     if deferred:
         collector = _current.get()
         if collector is None:
