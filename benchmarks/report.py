@@ -20,6 +20,10 @@ SECTIONS = [
     ("Scaling", "scaling", "FSDP2Strategy at world sizes 1, 2 and 4."),
     ("Compile, activation checkpointing, prefetch", "knobs", "FSDP2Strategy's per-block options side by side, against "
      "the hand-written ModelParallelStrategy recipe with torch.compile."),
+    ("The check of forwards outside training, in training steps", "forward-check", "What "
+     "`unmatched_forward_timeout` costs a training step: FSDP2Strategy with it (the default) and without, side by side "
+     "(`python benchmarks/throughput.py --knobs --only fsdp2 fsdp2+no_forward_check --repeats 3 --out DIR`, copied to"
+     " `forward-check.*`)."),
     ("Start-up: loading a pretrained model", "load_pretrained-large", "load_pretrained on meta against an eager build "
      "plus whole-state-dict load then sharding, and against reading the rank's share of the bytes."),
     ("Saving", "save", "Full and sharded checkpoints as the model grows, against Lightning's ModelParallelStrategy; "
