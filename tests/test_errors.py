@@ -150,3 +150,14 @@ def test_a_run_from_a_saved_adapter_config_is_refused_at_set_up(tmp_path: Path) 
     build_llama(lora=True).save_pretrained(tmp_path / "adapter")
     for message in run_distributed(_fit_from_saved_adapter_config, 2, str(tmp_path / "adapter")):
         assert "were made with inference_mode=True" in message and "config.inference_mode = False" in message, message
+
+
+def test_each_front_ends_strategy_given_to_the_other_names_the_right_class() -> None:
+    import lightning as L
+
+    from lightning_fsdp2 import fabric
+
+    with pytest.raises(ValueError, match=r"for Lightning Fabric use lightning_fsdp2\.fabric\.FSDP2Strategy"):
+        L.Fabric(accelerator="cpu", devices=1, strategy=FSDP2Strategy())
+    with pytest.raises(ValueError, match=r"for the Trainer use lightning_fsdp2\.FSDP2Strategy"):
+        L.Trainer(accelerator="cpu", devices=1, strategy=fabric.FSDP2Strategy())

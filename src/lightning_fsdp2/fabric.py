@@ -186,6 +186,11 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         )
         self._backward_sync_control = _NoGradientSync()
 
+    def __repr__(self) -> str:
+        # Lightning's "invalid strategy" message shows this when the object reaches the Trainer: say which it takes.
+        return ("lightning_fsdp2.fabric.FSDP2Strategy(...) (Lightning Fabric's strategy; for the Trainer use"
+                " lightning_fsdp2.FSDP2Strategy)")
+
     # ---------------------------------------------------------------- Fabric plumbing: processes and devices
     @property
     def precision(self) -> FSDP2Precision:

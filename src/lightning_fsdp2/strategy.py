@@ -215,6 +215,11 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         self._torn_down = False
         self.num_nodes = 1
 
+    def __repr__(self) -> str:
+        # Lightning's "invalid strategy" message shows this when the object reaches Fabric: say which class Fabric takes.
+        return ("lightning_fsdp2.FSDP2Strategy(...) (the Trainer's strategy; for Lightning Fabric use"
+                " lightning_fsdp2.fabric.FSDP2Strategy)")
+
     # ---------------------------------------------------------------- Lightning plumbing: processes and devices
     @property
     def precision_plugin(self) -> FSDP2Precision:
