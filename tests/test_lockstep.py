@@ -33,6 +33,8 @@ def _rank0_samples_alone(how: str, out: str) -> None:
     prompt = torch.tensor([[1, 2, 3]])
     with torch.no_grad():  # every rank together: passes
         model.generate(prompt, max_new_tokens=2, do_sample=False)
+    batch = torch.randint(0, 128, (2, 8))
+    fabric.backward(model(input_ids=batch, labels=batch).loss)  # a training step: the root is sharded again after it
     start = time.monotonic()
     outcome: dict[str, Any] = {}
     try:
@@ -44,7 +46,6 @@ def _rank0_samples_alone(how: str, out: str) -> None:
                 else:  # a hand-written sampling loop, as LitGPT's generate()
                     model(input_ids=prompt)
             model.train()
-        batch = torch.randint(0, 128, (2, 8))
         fabric.backward(model(input_ids=batch, labels=batch).loss)  # the next training step
         outcome["error"] = None
     except Exception as err:  # noqa: BLE001 - the test reads what each rank saw

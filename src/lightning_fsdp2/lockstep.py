@@ -7,8 +7,9 @@ all-gather the others never join, silently, until the process group's timeout (3
 all-gathers pair up with those of the next training step on the other ranks.
 
 Training forwards are run by every rank in the step, and pay nothing here: the check is one check of
-``module.training`` and grad mode. Any other forward of an FSDP root (evaluation, ``generate``, a forward under
-``torch.no_grad()``) first meets the other ranks in a barrier of its own gloo group, whose timeout is the bound. A
+``module.training`` and grad mode. Any other forward of an FSDP root (evaluation, a forward under
+``torch.no_grad()``), and each call of a root's ``generate``, first meets the other ranks in a barrier of its own gloo
+group, whose timeout is the bound. A
 rank that arrives alone raises after the bound with the message below, before it has entered any collective of the
 model; the ranks that did not come are then told by the launcher (or gloo) that a peer failed.
 """
@@ -35,15 +36,17 @@ def guard_forwards(roots: Sequence[nn.Module], timeout: float | None) -> None:
     # whatever the model's backend, on CPU, off the device's stream.
     group = dist.new_group(backend="gloo", timeout=bound)
 
-    def check(module: nn.Module, args: Any) -> None:
-        if module.training and torch.is_grad_enabled():
+    @torch.compiler.disable  # a whole-model torch.compile must not trace a collective with a timeout
+    def check(module: nn.Module, args: Any, always: bool = False) -> None:
+        if not always and module.training and torch.is_grad_enabled():
             return
         try:
             dist.monitored_barrier(group=group, timeout=bound, wait_all_ranks=True)
         except RuntimeError as err:
             raise RuntimeError(
                 f"Rank {dist.get_rank()} ran a forward of the sharded {type(module).__name__} outside training that"
-                f" not every rank ran within {timeout:g} s (FSDP2Strategy(unmatched_forward_timeout=...)). Each"
+                f" not every rank ran within {timeout:g} s (FSDP2Strategy(unmatched_forward_timeout=...)), or that"
+                " another rank reached more than that later (rank-0-only work just before it: then raise the bound). Each"
                 " forward of a sharded model all-gathers its parameters from every rank, so every rank must run it:"
                 " sample (or evaluate, or `generate`) on all ranks and print or log on rank 0 only, e.g."
                 " `out = generate(model, ...)` then `if fabric.global_rank == 0: print(out)`. Torch reported:"
@@ -54,3 +57,17 @@ def guard_forwards(roots: Sequence[nn.Module], timeout: float | None) -> None:
         # Prepended after fully_shard's own pre-forward hook, so that it runs first: the barrier comes before the
         # first all-gather.
         root.register_forward_pre_hook(check, prepend=True)
+        # `generate` is an FSDP forward method (register_fsdp_forward_method put a wrapper on the instance that
+        # all-gathers the root before HF's loop calls the forward): the check must come before that wrapper. The
+        # one attribute of a user module we replace, with a function that calls FSDP2's wrapper.
+        fsdp_generate = root.__dict__.get("generate")
+        if fsdp_generate is not None:
+            root.generate = _checked(fsdp_generate, check, root)
+
+
+def _checked(method: Any, check: Any, root: nn.Module) -> Any:
+    def generate(*args: Any, **kwargs: Any) -> Any:
+        check(root, args, always=True)  # generation is never a training forward (HF runs it under no_grad)
+        return method(*args, **kwargs)
+
+    return generate

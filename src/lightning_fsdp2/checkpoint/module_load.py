@@ -71,6 +71,14 @@ def _to_local_shards(
         if tensor is None or key not in state_dict:
             continue
         value = state_dict[key]
+        if is_nf4(tensor):
+            state_dict.pop(key)
+            error_msgs.append(
+                f"'{key}' is stored in NF4 (load_pretrained(..., quantize='nf4')), and load_state_dict cannot quantize"
+                " into it. Load base weights with `lightning_fsdp2.load_pretrained(model, path, quantize='nf4')` at"
+                " model build time, and only the adapters (or other unquantized tensors) with load_state_dict."
+            )
+            continue
         if pending is not None and isinstance(value, Tensor) and value.is_meta:
             source, keys = pending
             if id(value) not in keys:
@@ -85,18 +93,11 @@ def _to_local_shards(
                 continue  # torch's size-mismatch message (the placeholder has the file's shape)
             state_dict[key] = _shard_of(tensor, lambda index, k=keys[id(value)]: source.read(k, index))
             continue
-        if is_nf4(tensor):
-            state_dict.pop(key)
-            error_msgs.append(
-                f"'{key}' is stored in NF4 (load_pretrained(..., quantize='nf4')), and load_state_dict cannot quantize"
-                " into it. Load base weights with `lightning_fsdp2.load_pretrained(model, path, quantize='nf4')` at"
-                " model build time, and only the adapters (or other unquantized tensors) with load_state_dict."
-            )
-            continue
         if not isinstance(tensor, DTensor) or not isinstance(value, Tensor) or tuple(value.shape) != tuple(tensor.shape):
             continue  # torch's own copy (a plain tensor), or its own messages (not a tensor, size mismatch)
-        if isinstance(value, DTensor) and (value.device_mesh, value.placements) == (tensor.device_mesh,
-                                                                                  tensor.placements):
+        if isinstance(value, DTensor) and (value.device_mesh, value.placements, value.dtype) == (
+            tensor.device_mesh, tensor.placements, tensor.dtype
+        ) and value.to_local().device == tensor.to_local().device:
             continue  # a shard of the same layout (a sharded model's own state_dict()): copied shard to shard
         state_dict[key] = _shard_of(tensor, lambda index, v=value: _whole(v)[index])
 
@@ -116,9 +117,19 @@ def _shard_of(target: Tensor, read: Any) -> Tensor:
     if not isinstance(target, DTensor):
         return read(tuple(slice(0, n) for n in target.shape)).to(device=target.device, dtype=target.dtype)
     local = target.to_local()
-    piece = read(local_slice(target)).to(device=local.device, dtype=local.dtype).contiguous()
-    return DTensor.from_local(piece, target.device_mesh, target.placements, run_check=False,
-                              shape=target.shape, stride=target.stride())
+    if local.numel() == 0:  # this rank's shard of a small tensor is empty: nothing to read (a safetensors slice
+        piece = torch.empty_like(local)  # that starts at the end is refused)
+    else:
+        piece = read(local_slice(target)).to(device=local.device, dtype=local.dtype).contiguous()
+    return _like(target, piece)
+
+
+def _like(target: Tensor, piece: Tensor) -> Tensor:
+    """A ``DTensor`` of ``target``'s layout whose local tensor is ``piece`` itself: ``DTensor.from_local`` would move
+    it to the mesh's device, but under CPU offload the shards live in CPU memory on a CUDA mesh."""
+    from torch.distributed.tensor import DTensor
+
+    return DTensor(piece, target._spec, requires_grad=False)  # as FSDP2 builds its own sharded parameters
 
 
 @contextmanager
@@ -132,7 +143,9 @@ def _reading(source: TensorSource, keys: dict[int, str]) -> Generator[None, None
 
 def uses_own_load_hooks(module: nn.Module) -> bool:
     """Whether a module of ``module`` maps checkpoint keys itself (it overrides ``_load_from_state_dict``)."""
-    return any(type(m)._load_from_state_dict is not nn.Module._load_from_state_dict for m in module.modules())
+    # torch's own overrides (BatchNorm's `num_batches_tracked`, InstanceNorm's) map nothing.
+    return any(not type(m)._load_from_state_dict.__module__.startswith("torch.") for m in module.modules()
+               if type(m)._load_from_state_dict is not nn.Module._load_from_state_dict)
 
 
 def load_through_model(module: nn.Module, source: TensorSource, *, strict: bool) -> Any:
@@ -141,38 +154,48 @@ def load_through_model(module: nn.Module, source: TensorSource, *, strict: bool)
     decides, as in one process, what is missing or unexpected. Returns torch's ``_IncompatibleKeys``."""
     placeholders = {key: torch.empty(source.shape(key), device="meta") for key in source.keys()}
     keys = {id(t): key for key, t in placeholders.items()}
-    with _reading(source, keys):
-        return module.load_state_dict(placeholders, strict=strict)
+    # The hooks for this call alone, so that an unsharded model (one device, DDP) reads its placeholders too; on a
+    # sharded one the hooks installed at set-up then find nothing left to do.
+    handles = [m.register_load_state_dict_pre_hook(_to_local_shards) for m in module.modules()
+               if any(t is not None for t in [*m._parameters.values(), *m._buffers.values()])]
+    try:
+        with _reading(source, keys):
+            return module.load_state_dict(placeholders, strict=strict)
+    finally:
+        for handle in handles:
+            handle.remove()
 
 
 def install_optimizer_load_hook(optimizer: Optimizer) -> None:
-    """Let ``optimizer.load_state_dict`` take a state saved by a one-device run: after torch has loaded it (each
-    moment a whole tensor, moved to the parameter's device), the moments of sharded parameters become this rank's
-    shards of them. Without this the next ``step`` fails on "mixed torch.Tensor and DTensor"."""
-    optimizer.register_load_state_dict_post_hook(_shard_optimizer_state)
+    """Let ``optimizer.load_state_dict`` take a state saved by a one-device run: before torch loads it, each state
+    tensor of a sharded parameter with the parameter's shape (Adam's moments) becomes this rank's shard of it, so
+    that torch then moves only shards to the device (never the whole optimizer state on every rank). Without this
+    the next ``step`` fails on "mixed torch.Tensor and DTensor". States of other shapes are left to torch."""
+    optimizer.register_load_state_dict_pre_hook(_shard_saved_state)
 
 
 @torch.no_grad()
-def _shard_optimizer_state(optimizer: Optimizer) -> None:
+def _shard_saved_state(optimizer: Optimizer, state_dict: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.tensor import DTensor
 
-    for group in optimizer.param_groups:
-        for param in group["params"]:
-            state = optimizer.state.get(param)
-            if not isinstance(param, DTensor) or not isinstance(state, Mapping):
-                continue
-            for name, value in list(state.items()):
-                if isinstance(value, DTensor) or not isinstance(value, Tensor) or value.ndim == 0:
-                    continue  # already a shard, or a scalar (Adam's `step`)
-                if tuple(value.shape) != tuple(param.shape):
-                    raise ValueError(
-                        f"optimizer.load_state_dict: state '{name}' of a parameter of shape {tuple(param.shape)} has"
-                        f" shape {tuple(value.shape)}: the state was saved for another model or parameter order."
-                    )
-                local = param.to_local()
-                piece = value[local_slice(param)].to(device=local.device, dtype=value.dtype).contiguous()
-                state[name] = DTensor.from_local(piece, param.device_mesh, param.placements, run_check=False,
-                                                 shape=param.shape, stride=param.stride())
+    saved_groups = state_dict.get("param_groups", [])
+    ids = [i for group in saved_groups for i in group.get("params", [])]
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    if len(ids) != len(params) or not isinstance(state_dict.get("state"), Mapping):
+        return state_dict  # torch's own error for groups that do not match
+    state = dict(state_dict["state"])
+    for saved_id, param in zip(ids, params):  # torch matches saved ids to parameters in this order too
+        entry = state.get(saved_id)
+        if not isinstance(param, DTensor) or not isinstance(entry, Mapping):
+            continue
+        state[saved_id] = {
+            # In the parameter's dtype: torch's load casts floating-point state to it anyway.
+            name: _shard_of(param, lambda index, v=value: v[index])
+            if isinstance(value, Tensor) and not isinstance(value, DTensor) and tuple(value.shape) == tuple(param.shape)
+            else value
+            for name, value in entry.items()
+        }
+    return {**state_dict, "state": state}
 
 
 def full_state_dict(module: nn.Module) -> dict[str, Any]:

@@ -150,7 +150,18 @@ def declare_load(
         # Names that do not fit, on a model that maps checkpoint keys itself (LitGPT's LoRA layers rename
         # `qkv.weight` to `qkv.linear.weight` in their `_load_from_state_dict`): load through torch's own
         # load_state_dict, so that the model's mapping, and torch's `strict`, decide as in one process.
-        load_through_model(module, raw, strict=strict)
+        result = load_through_model(module, raw, strict=strict)
+        loaded = {n for n, _ in module.state_dict().items()} - set(result.missing_keys)
+        if not loaded:
+            raise CheckpointFileError(
+                f"Nothing in {raw.where(raw.keys()[0]) if raw.keys() else 'the source'} fits {type(module).__name__}:"
+                f" every one of its tensors is missing from it, even through the model's own key mapping (e.g."
+                f" {sorted(result.missing_keys)[:3]}). Check the path, and the names the model expects."
+            ) from None
+        if result.unexpected_keys:
+            warnings.warn(
+                f"{len(result.unexpected_keys)} key(s) of the source fit nothing in {type(module).__name__} and were"
+                f" not loaded: {sorted(result.unexpected_keys)[:5]}", stacklevel=2)
         return
     if deferred:
         collector = _current.get()
