@@ -355,3 +355,20 @@ def test_load_raw_through_a_hook_that_computes_tensors_says_to_load_whole(tmp_pa
     torch.save({"old_weight": torch.zeros(WIDTH, WIDTH), "proj.bias": torch.zeros(WIDTH)}, tmp_path / "old.pth")
     for message in run_distributed(_load_raw_through_a_computing_hook, 2, str(tmp_path / "old.pth")):
         assert "load hook made a new tensor for 'proj.weight'" in message, message
+
+
+def test_load_pretrained_through_the_models_own_mapping_works_in_one_process(paths: dict[str, str]) -> None:
+    """The same LightningModule runs under every strategy: a real, unsharded LitGPT-style model loads the base
+    through its own mapping too (the hooks are registered for that call alone), and a source that fits nothing
+    raises instead of loading nothing."""
+    from lightning_fsdp2 import CheckpointFileError, load_pretrained
+
+    model = GPT()
+    lora_before = {k: v.clone() for k, v in model.state_dict().items() if "lora_" in k}
+    load_pretrained(model, paths["base"], strict=False)
+    base = torch.load(paths["base"])
+    assert torch.equal(model.h[0].attn.linear.weight, base["h.0.attn.weight"])
+    assert all(torch.equal(model.state_dict()[k], v) for k, v in lora_before.items())
+    assert not any(p.is_meta for p in model.parameters())
+    with pytest.raises(CheckpointFileError, match="Nothing in .* fits GPT"):
+        load_pretrained(GPT(), {"unrelated.weight": torch.zeros(2)}, strict=False)
