@@ -36,12 +36,15 @@ def guard_forwards(roots: Sequence[nn.Module], timeout: float | None) -> None:
     # whatever the model's backend, on CPU, off the device's stream.
     group = dist.new_group(backend="gloo", timeout=bound)
 
-    @torch.compiler.disable  # a whole-model torch.compile must not trace a collective with a timeout
+    # Kept out of a whole-model torch.compile (a collective with a timeout), and out of the training path: the
+    # wrapper torch.compiler.disable adds is paid only by forwards that wait.
+    barrier = torch.compiler.disable(dist.monitored_barrier)
+
     def check(module: nn.Module, args: Any, always: bool = False) -> None:
         if not always and module.training and torch.is_grad_enabled():
             return
         try:
-            dist.monitored_barrier(group=group, timeout=bound, wait_all_ranks=True)
+            barrier(group=group, timeout=bound, wait_all_ranks=True)
         except RuntimeError as err:
             raise RuntimeError(
                 f"Rank {dist.get_rank()} ran a forward of the sharded {type(module).__name__} outside training that"

@@ -37,6 +37,11 @@ _placeholders: ContextVar[tuple[TensorSource, dict[int, str]] | None] = ContextV
 )
 
 
+def _owns_tensors(module: nn.Module) -> bool:
+    """Whether ``module`` holds parameters or buffers of its own (not only in its children)."""
+    return any(t is not None for t in [*module._parameters.values(), *module._buffers.values()])
+
+
 def install_load_hooks(root: nn.Module) -> None:
     """Let ``load_state_dict`` take whole tensors (CPU, ``mmap``-ed, on the device) or ``DTensor``s on the sharded
     model ``root``: a pre-hook on each module that holds tensors of its own turns those meant for its shards into the
@@ -50,7 +55,7 @@ def install_load_hooks(root: nn.Module) -> None:
             # forward, after ours, on the same modules: reshard first, from the group's module, which torch loads
             # before any module inside it.
             module.register_load_state_dict_pre_hook(lambda m, *_: m.reshard())
-        if any(t is not None for t in [*module._parameters.values(), *module._buffers.values()]):
+        if _owns_tensors(module):
             module.register_load_state_dict_pre_hook(_to_local_shards)
 
 
@@ -156,8 +161,7 @@ def load_through_model(module: nn.Module, source: TensorSource, *, strict: bool)
     keys = {id(t): key for key, t in placeholders.items()}
     # The hooks for this call alone, so that an unsharded model (one device, DDP) reads its placeholders too; on a
     # sharded one the hooks installed at set-up then find nothing left to do.
-    handles = [m.register_load_state_dict_pre_hook(_to_local_shards) for m in module.modules()
-               if any(t is not None for t in [*m._parameters.values(), *m._buffers.values()])]
+    handles = [m.register_load_state_dict_pre_hook(_to_local_shards) for m in module.modules() if _owns_tensors(m)]
     try:
         with _reading(source, keys):
             return module.load_state_dict(placeholders, strict=strict)
