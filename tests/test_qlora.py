@@ -422,9 +422,10 @@ def _deferred_error(base: str, adapter: str, case: str) -> str:
 @pytest.mark.parametrize(
     ("case", "expected"),
     [
-        ("shape", r"ValueError: load_pretrained\(quantize='nf4'\) cannot quantize 14 weight\(s\): .*has shape \(64, 64\):"
-                  r" NF4 quantizes blocks of 64 values .* must be a multiple of 16384 x 2.*skip=\[...\]"),
-        ("trainable", r"ValueError: load_pretrained\(quantize='nf4'\) cannot quantize .* is trainable \(NF4 weights are"
+        ("shape", r"ValueError: load_pretrained\(quantize='nf4'\) cannot quantize 14 of 14 weight\(s\): .*of shape"
+                  r" \(64, 64\).* too small at world size 2: NF4 quantizes blocks of 64 values .* multiple of 16384 x 2"
+                  r".*smallest shapes that fit here: \(512, 64\) for \(64, 64\).*load without quantize='nf4'"),
+        ("trainable", r"ValueError: load_pretrained\(quantize='nf4'\) cannot quantize .* (is|are) trainable \(NF4 weights are"
                       r" frozen: wrap the model with peft's get_peft_model"),
     ],
 )
@@ -440,6 +441,31 @@ def test_qlora_that_cannot_be_built_is_refused_on_every_rank(
     base = str(save_tiny_pretrained(tmp_path / "small")) if case == "shape" else start[0]
     for message in run_distributed(_deferred_error, 2, base, start[1], case):
         assert re.search(expected, message), message
+        assert len(message) < 1500 and "skip=" not in message, message  # one short message, no way out that leaves nothing
+
+
+def test_qlora_shape_error_names_the_way_out_that_works() -> None:
+    """A model of which some weights fit NF4's shards at world size 2 and some only at world size 1: the message
+    names each failing shape once, the world size they would fit, and a `skip` that leaves the rest quantized."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from lightning_fsdp2.quantize import check_nf4_targets, nf4_targets
+
+    config = LlamaConfig(vocab_size=128, hidden_size=256, intermediate_size=64, num_hidden_layers=2,
+                         num_attention_heads=4, num_key_value_heads=4)
+    with torch.device("meta"):
+        model = LlamaForCausalLM(config).requires_grad_(False)
+    shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
+    names = nf4_targets(model, list(shapes), [])
+    with pytest.raises(ValueError) as raised:
+        check_nf4_targets(model, names, shapes, world_size=2)
+    message = str(raised.value)
+    assert "cannot quantize 6 of 14 weight(s): 4 of shape (64, 256), 2 of shape (256, 64)" in message, message
+    assert "they would fit at world size 1" in message, message
+    assert "(128, 256) for (64, 256), (512, 64) for (256, 64)" in message, message
+    assert "skip=['down_proj', 'gate_proj', 'up_proj']) (8 weight(s) would still be quantized)" in message, message
+    assert message.count("NF4 quantizes blocks") == 1, message
+    check_nf4_targets(model, [n for n in names if "mlp" not in n], shapes, world_size=2)  # the rest: no error
 
 
 def test_qlora_arguments_are_checked_when_load_pretrained_is_called(start: tuple[str, str]) -> None:
@@ -454,7 +480,7 @@ def test_qlora_arguments_are_checked_when_load_pretrained_is_called(start: tuple
         load_pretrained(model, start[0], quantize="int8")
     with pytest.raises(TypeError, match="takes a list of module names"):
         load_pretrained(model, start[0], quantize="nf4", skip="down_proj")
-    with pytest.raises(ValueError, match=r"is torch.float64; torchao's to_nf4 takes float32, bfloat16 or float16"):
+    with pytest.raises(ValueError, match=r"are torch.float64; torchao's to_nf4 takes float32, bfloat16 or float16"):
         load_pretrained(model.double(), start[0], quantize="nf4")
 
 

@@ -99,36 +99,88 @@ def check_nf4_targets(
     world_size: int,
     require_frozen: bool = True,
 ) -> None:
-    """Raise one error listing every weight that cannot be stored in NF4 here: trainable (NF4 weights are frozen;
-    peft's ``get_peft_model`` freezes the base), of a dtype ``to_nf4`` does not take, or of a size NF4's blocks cannot
-    split into ``world_size`` equal shards. Called before anything is allocated; the same on every rank."""
+    """Raise one short error for the weights that cannot be stored in NF4 here, grouped by cause: trainable (NF4
+    weights are frozen; peft's ``get_peft_model`` freezes the base), of a dtype ``to_nf4`` does not take, or of a
+    shape NF4's blocks cannot split into ``world_size`` equal shards (with, per shape, the smallest one that fits and
+    the world sizes that would take it). Called before anything is allocated; the same on every rank."""
     if not names:
         return  # nothing to quantize: torchao is not needed (it is an optional dependency)
     nf4_module()
-    block = _BLOCK_SIZE * _SCALER_BLOCK_SIZE
     params = dict(module.named_parameters())
-    problems = []
+    trainable = [n for n in names if params[n].requires_grad and require_frozen]
+    dtypes = [n for n in names if n not in trainable and params[n].dtype not in NF4_DTYPES]
+    by_shape: dict[tuple[int, ...], list[str]] = {}
     for name in names:
-        param = params[name]
-        numel = 1
-        for size in shapes[name]:
-            numel *= size
-        if param.requires_grad and require_frozen:
-            problems.append(f"{name!r} is trainable (NF4 weights are frozen: wrap the model with peft's get_peft_model,"
-                            " which freezes the base, or set requires_grad=False)")
-        elif param.dtype not in NF4_DTYPES:
-            problems.append(f"{name!r} is {param.dtype}; torchao's to_nf4 takes float32, bfloat16 or float16")
-        elif len(shapes[name]) != 2 or numel % (block * world_size) or shapes[name][0] % world_size:
-            problems.append(
-                f"{name!r} has shape {shapes[name]}: NF4 quantizes blocks of {_BLOCK_SIZE} values with one scale per"
-                f" {_SCALER_BLOCK_SIZE} blocks, and FSDP2 splits it along dim 0 into {world_size} shard(s), so its"
-                f" size must be a multiple of {block} x {world_size}"
-            )
-    if problems:
-        raise ValueError(
-            f"load_pretrained(quantize='nf4') cannot quantize {len(problems)} weight(s): " + "; ".join(problems)
-            + ". Exclude those modules with load_pretrained(..., skip=[...]) or fix the model."
+        if name not in trainable and name not in dtypes and not _fits_nf4(shapes[name], world_size):
+            by_shape.setdefault(tuple(shapes[name]), []).append(name)
+    bad = trainable + dtypes + [n for group in by_shape.values() for n in group]
+    if not bad:
+        return
+    problems = []
+    if trainable:
+        problems.append(f"{_are(trainable)} trainable (NF4 weights are frozen: wrap the model with peft's"
+                        " get_peft_model, which freezes the base, or set requires_grad=False)")
+    if dtypes:
+        kinds = sorted({str(params[n].dtype) for n in dtypes})
+        problems.append(f"{_are(dtypes)} {'/'.join(kinds)}; torchao's to_nf4 takes float32, bfloat16 or float16")
+    if by_shape:
+        block = _BLOCK_SIZE * _SCALER_BLOCK_SIZE
+        groups = ", ".join(f"{len(group)} of shape {shape}" for shape, group in by_shape.items())
+        smallest = ", ".join(f"{_smallest_fit(shape, world_size)} for {shape}" for shape in by_shape)
+        worlds = sorted(set.intersection(*(set(_worlds_that_fit(shape, world_size)) for shape in by_shape)))
+        where = (f"they would fit at world size {', '.join(map(str, worlds))}" if worlds
+                 else "too few elements even for one process")
+        problems.append(
+            f"{groups} (e.g. {_some([g[0] for g in by_shape.values()])}) too small at world size {world_size}:"
+            f" NF4 quantizes blocks of {_BLOCK_SIZE} values with one scale per {_SCALER_BLOCK_SIZE} blocks and FSDP2"
+            f" splits each weight along dim 0 into {world_size} shard(s), so a 2-D weight needs a multiple of"
+            f" {block} x {world_size} elements and rows divisible by {world_size}; {where}; the smallest shapes that"
+            f" fit here: {smallest}"
         )
+    left = [n for n in names if n not in bad]
+    if left:
+        modules = sorted({n.rsplit(".", 1)[0].rsplit(".", 1)[-1] for n in bad})
+        way_out = (f"Fix those weights, or leave their modules out with load_pretrained(..., skip={modules!r})"
+                   f" ({len(left)} weight(s) would still be quantized)")
+    else:
+        way_out = ("No weight of this model can be quantized as it is: fix the above, or load without"
+                   " quantize='nf4'")
+    raise ValueError(
+        f"load_pretrained(quantize='nf4') cannot quantize {len(bad)} of {len(names)} weight(s): "
+        + "; ".join(problems) + f". {way_out}."
+    )
+
+
+def _fits_nf4(shape: Sequence[int], world_size: int) -> bool:
+    numel = 1
+    for size in shape:
+        numel *= size
+    return len(shape) == 2 and not numel % (_BLOCK_SIZE * _SCALER_BLOCK_SIZE * world_size) and not shape[0] % world_size
+
+
+def _smallest_fit(shape: tuple[int, ...], world_size: int) -> tuple[int, ...]:
+    """The 2-D shape with ``shape``'s columns and the fewest rows (at least its own) that NF4 splits over
+    ``world_size`` ranks."""
+    rows, cols = (shape[0], shape[1]) if len(shape) == 2 else (shape[0] if shape else 1, 1)
+    step = _BLOCK_SIZE * _SCALER_BLOCK_SIZE * world_size
+    while not _fits_nf4((rows, cols), world_size):
+        rows += 1
+        if rows > step:  # `step` rows always fit a 2-D weight: a bound, never reached
+            break
+    return (rows, cols)
+
+
+def _worlds_that_fit(shape: tuple[int, ...], world_size: int) -> list[int]:
+    return [w for w in range(1, world_size + 1) if _fits_nf4(shape, w)]
+
+
+def _some(names: Sequence[str]) -> str:
+    """Up to three names, then how many more: one weight per kind is enough to find the rest."""
+    return ", ".join(repr(n) for n in names[:3]) + (f" and {len(names) - 3} more" if len(names) > 3 else "")
+
+
+def _are(names: Sequence[str]) -> str:
+    return f"{_some(names)} {'are' if len(names) > 1 else 'is'}"
 
 
 def to_nf4(param: Tensor, whole: Tensor) -> Tensor:
