@@ -1,9 +1,13 @@
 # `make test` and `make demo` set themselves up: a .venv at the repo root, the package installed (editable) with
-# the pinned versions in constraints.txt. The stamp file re-runs the install only when the pins or metadata change.
+# the pinned versions in constraints.txt. The stamp files re-run the install only when the pins or metadata change.
+# `make demo` alone installs no torchao (the qlora extra): transformers imports torchao whenever it is installed, and
+# torchao's PyPI wheels print load failures of their CUDA kernels beside a CPU build of torch, so a first run that
+# needs no quantization stays quiet. `make test` adds the test and qlora extras.
 PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+DEMO_STAMP := $(VENV)/.installed-demo
 PYTEST_ARGS ?=
 
 .PHONY: test demo bench gpu-check clean
@@ -14,12 +18,17 @@ $(PY):
 $(STAMP): $(PY) pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,demo,qlora]"
-	touch $(STAMP)
+	touch $(STAMP) $(DEMO_STAMP)
+
+$(DEMO_STAMP): $(PY) pyproject.toml constraints.txt
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[demo]"
+	touch $(DEMO_STAMP)
 
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
-demo: $(STAMP)
+demo: $(DEMO_STAMP)
 	$(PY) examples/lora_finetune.py
 
 # Benchmarks (about 30 minutes on 2 CPU cores): results in benchmarks/results/, tables in docs/performance.md.

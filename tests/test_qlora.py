@@ -516,6 +516,23 @@ def test_without_torchao_the_error_names_the_extra(start: tuple[str, str]) -> No
     assert "pip install lightning-fsdp2[qlora]" in proc.stderr
 
 
+def test_the_package_imports_no_torchao_until_asked() -> None:
+    """Importing the package (both front-ends, the checkpoint helpers, lora) neither imports torchao nor prints
+    anything: torchao's PyPI wheels print load failures of their CUDA kernels beside a CPU build of torch, so it is
+    only imported when quantize="nf4" asks for it (transformers' own quantizers import it wherever it is installed,
+    which the docs say)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, lightning_fsdp2, lightning_fsdp2.fabric, lightning_fsdp2.checkpoint, lightning_fsdp2.lora\n"
+            "print('torchao' in sys.modules)\n")
+    root = Path(__file__).resolve().parents[1]
+    proc = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert proc.stdout.strip() == "False", proc.stdout
+    assert proc.stderr == "", proc.stderr[-2000:]
+
+
 def _load_state_dict_into_nf4(base: str, adapter: str) -> str:
     from lightning_fsdp2 import FSDP2Strategy
 

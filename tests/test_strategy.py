@@ -397,8 +397,12 @@ def test_a_launch_that_disagrees_with_devices_is_refused_on_every_rank(torchelas
     for result in run_distributed(_fit_with_devices, 2, 1, torchelastic):
         assert "does not match the world size (2)" in result, result
         assert ("TorchElastic" in result) == torchelastic, result
+        # the fix, under torchrun from its own LOCAL_WORLD_SIZE (Lightning's message alone has none)
+        fix = "Set `Trainer(devices=2, num_nodes=1)`" if torchelastic else "Set `devices` to the processes per node"
+        assert fix in result, result
     (alone,) = run_distributed(_fit_with_devices, 1, 2, torchelastic)
     assert "does not match the world size (1)" in alone, alone
+    assert "Set `Trainer(devices=1, num_nodes=1)`" in alone or not torchelastic, alone
 
 
 def _two_nodes_of_one(devices: int) -> str:

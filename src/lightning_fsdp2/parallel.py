@@ -404,6 +404,17 @@ def no_gradient_sync(module: nn.Module, enabled: bool = True) -> Generator[None,
             group.set_requires_gradient_sync(True, recurse=False)
 
 
+def _launch_fix(num_processes: int, num_nodes: int) -> str:
+    """What to set, from the launcher's own numbers where it exports them (torchrun's ``LOCAL_WORLD_SIZE``)."""
+    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    if world and local and int(local) > 0 and int(world) % int(local) == 0:
+        return (f"Set `Trainer(devices={local}, num_nodes={int(world) // int(local)})` (or Fabric's) as the launcher"
+                f" started them: {local} process(es) per node (torchrun's --nproc-per-node), {int(world) // int(local)}"
+                " node(s) (--nnodes).")
+    return ("Set `devices` to the processes per node and `num_nodes` to the nodes the launcher started (torchrun's"
+            " --nproc-per-node and --nnodes; SLURM's --ntasks-per-node and --nodes).")
+
+
 def validate_external_launch(env: Any, *, num_processes: int, num_nodes: int, local_rank: int, node_rank: int) -> None:
     """Processes started outside Lightning (torchrun, SLURM, any launcher) must be as many as ``devices *
     num_nodes``: Lightning's launchers check that, but with no launcher nobody does, and a mismatch trains silently on
@@ -411,14 +422,19 @@ def validate_external_launch(env: Any, *, num_processes: int, num_nodes: int, lo
     rank raises together."""
     if env is None or not env.creates_processes_externally:
         return
-    env.validate_settings(num_devices=num_processes, num_nodes=num_nodes)  # torchrun's and SLURM's own
+    try:
+        env.validate_settings(num_devices=num_processes, num_nodes=num_nodes)  # torchrun's and SLURM's own
+    except ValueError as err:
+        if "HINT" in str(err):  # SLURM's messages already say what to set
+            raise
+        raise ValueError(f"{err} {_launch_fix(num_processes, num_nodes)}") from err
     expected = num_processes * num_nodes
     world = os.environ.get("WORLD_SIZE")
     if world is not None and int(world) != expected:
         raise ValueError(
             f"You set `devices={num_processes}` and `num_nodes={num_nodes}` in Lightning, but the product"
             f" ({num_processes} * {num_nodes}) does not match the world size ({world}) of the processes"
-            " your launcher started. Set `devices` to the processes per node and `num_nodes` to the nodes."
+            f" your launcher started. {_launch_fix(num_processes, num_nodes)}"
         )
     if not 0 <= local_rank < num_processes:
         raise ValueError(
