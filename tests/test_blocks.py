@@ -219,6 +219,50 @@ def test_compiled_lora_under_low_precision_trains_like_eager(precision: str, sto
     assert compiled["losses"] == pytest.approx(eager["losses"], abs=3e-2)
 
 
+class _HookedActivation(LlamaModule):
+    """A forward hook on each block's ``mlp.act_fn`` that keeps its output, as a user's activation probe would: a
+    side effect inside the compiled, checkpointed block, which dynamo cannot trace."""
+
+    def configure_model(self) -> None:
+        hooked = self.model is not None
+        super().configure_model()
+        self.activations: list[torch.Tensor] = []
+        for sub in [] if hooked else self.model.modules():
+            if type(sub).__name__ == "LlamaMLP":
+                sub.act_fn.register_forward_hook(lambda module, args, out: self.activations.append(out.detach()))
+
+
+def _fit_hooked(hooked: bool) -> dict:
+    import warnings
+
+    from torch._dynamo.utils import counters
+
+    module = (_HookedActivation if hooked else LlamaModule)(num_hidden_layers=2)
+    strategy = FSDP2Strategy(compile={"backend": "eager"}, activation_checkpointing_policy=_blocks(),
+                             activation_checkpointing_save="matmuls")
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, **_trainer_kwargs(max_steps=2))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        trainer.fit(module)
+    found = [str(w.message) for w in caught if "FSDP2Strategy(compile=...)" in str(w.message)]
+    return {"warnings": found, "graph_breaks": sum(counters["graph_break"].values())}
+
+
+def test_a_compiled_block_that_breaks_its_graph_is_warned_about_once_on_rank_zero() -> None:
+    """compile + whole-block checkpointing + "matmuls" with a forward hook inside each block: dynamo breaks the graph
+    (torch says nothing; the step runs eagerly). One warning on rank 0 names the first block and torch's reason;
+    none on rank 1, and none without the hook."""
+    first, second = run_distributed(_fit_hooked, 2, True, timeout=600)
+    assert first["graph_breaks"] > 0, first
+    assert len(first["warnings"]) == 1, first["warnings"]
+    assert "block 'model.base_model.model.model.layers.0'" in first["warnings"][0], first["warnings"][0]
+    assert "broke its graph" in first["warnings"][0] and "HOP: Unsafe side effect" in first["warnings"][0]
+    assert "register it on the block itself" in first["warnings"][0]
+    assert second["warnings"] == [], second
+    clean = run_distributed(_fit_hooked, 2, False, timeout=600)[0]
+    assert clean["graph_breaks"] == 0 and clean["warnings"] == [], clean
+
+
 # --------------------------------------------------------------------------- prefetch and the last block
 def _count_all_gathers(module: L.LightningModule) -> None:
     """Count FSDP2's all-gathers in ``module.gathers`` (it calls torch.distributed.all_gather_single)."""

@@ -137,9 +137,10 @@ def _reference_layout(start: dict) -> dict:
 def test_bf16_true_keeps_peft_adapters_in_fp32_on_a_bf16_base() -> None:
     """Under bf16-true the base is stored in bf16 and the LoRA adapters in fp32 (peft's autocast_adapter_dtype
     convention), their optimizer state too, and `self.dtype` is the base's bf16. At world size 2 the adapters after 3
-    SGD steps match one process with the same layout within 1e-6 (measured: 7e-9): the base's bf16 matmuls give each
-    row the same result whatever the batch split, so only the order of fp32 gradient sums differs. Adapters stored
-    and updated in bf16 instead (`adapter_dtype=None`) end 8e-4 away, their rounding."""
+    SGD steps match one process with the same layout within 2e-5 (measured: 7e-9 on one CPU, where the base's bf16
+    matmuls give each row the same result whatever the batch split; 3.4e-6 on an AMD EPYC, whose bf16 kernels round
+    a half batch otherwise). Adapters stored and updated in bf16 instead (`adapter_dtype=None`) end 8e-4 away, their
+    rounding: far outside that bound."""
     from tests.helpers import run_distributed
 
     start = _layout_start()
@@ -151,7 +152,7 @@ def test_bf16_true_keeps_peft_adapters_in_fp32_on_a_bf16_base() -> None:
     assert bf16["adapters"] == ["torch.bfloat16"] and bf16["momentum"] == ["torch.bfloat16"]
     lora = [k for k in want["state"] if "lora_" in k]
     worst = max((fp32["state"][k].float() - want["state"][k].float()).abs().max().item() for k in lora)
-    assert worst <= 1e-6, f"max abs diff of the adapters {worst}"
+    assert worst <= 2e-5, f"max abs diff of the adapters {worst}"
     # Each rank's loss is over its half of the global batch: their mean is the reference's loss.
     mean = [sum(r["losses"][i] for r in runs[0]) / 2 for i in range(3)]
     assert mean == pytest.approx(want["losses"], abs=1e-5)

@@ -114,16 +114,83 @@ def compile_blocks(
     """
     plain = torch.compile(_class_forward, **options)
     recomputed = torch.compile(_checkpointed_class_forward(context_fn(save)), **options)
+    watch = _GraphWatch()
     for name in names:
         module = model.get_submodule(name)
         compiled = recomputed if name in checkpointed else plain
 
-        def forward(*args: Any, _module: nn.Module = module, _compiled: Callable = compiled, **kwargs: Any) -> Any:
+        def forward(*args: Any, _module: nn.Module = module, _compiled: Callable = compiled, _name: str = name,
+                    **kwargs: Any) -> Any:
             if _module.training and torch.is_grad_enabled():
+                if watch.pending(_name):
+                    return watch.first_call(_name, _compiled, _module, *args, **kwargs)
                 return _compiled(_module, *args, **kwargs)
             return _class_forward(_module, *args, **kwargs)
 
         module.forward = forward
+
+
+class _GraphWatch:
+    """Warn once, on rank 0, when a compiled block's first training forward broke its graph or compiled none (it
+    then runs eagerly, or in pieces, without a word from torch): a hook on a submodule, a data-dependent branch, an
+    unsupported call. Read from dynamo's counters around each block's first compiled call only (compilation happens
+    there, synchronously), so later steps pay nothing."""
+
+    def __init__(self) -> None:
+        self._seen: set[str] = set()
+        self._compiled_once: set[int] = set()
+        self._warned = False
+
+    def pending(self, name: str) -> bool:
+        return name not in self._seen
+
+    def first_call(self, name: str, compiled: Callable, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
+        self._seen.add(name)
+        counters = _dynamo_counters()
+        if counters is None:
+            return compiled(module, *args, **kwargs)
+        breaks, graphs = dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+        out = compiled(module, *args, **kwargs)
+        new_breaks = {k: v - breaks.get(k, 0) for k, v in counters["graph_break"].items() if v > breaks.get(k, 0)}
+        first_of_function = id(compiled) not in self._compiled_once
+        self._compiled_once.add(id(compiled))
+        no_graph = first_of_function and counters["stats"]["unique_graphs"] == graphs
+        if (new_breaks or no_graph) and not self._warned:
+            self._warned = True
+            _warn_on_rank_zero(name, new_breaks, no_graph)
+        return out
+
+
+def _dynamo_counters() -> Any:
+    """dynamo's statistics (``torch._dynamo.utils.counters``: graphs made, graph breaks and their reasons), or None
+    where this torch has none: then nothing is checked."""
+    try:
+        from torch._dynamo.utils import counters
+    except ImportError:  # pragma: no cover - every torch this package supports has them
+        return None
+    return counters
+
+
+def _warn_on_rank_zero(name: str, breaks: Mapping[str, int], no_graph: bool) -> None:
+    import warnings
+
+    import torch.distributed as dist
+
+    if dist.is_initialized() and dist.get_rank() != 0:
+        return
+    what = [f"broke its graph {sum(breaks.values())} time(s)"] if breaks else []
+    what += ["compiled no graph (it ran eagerly)"] if no_graph else []
+    # torch's reasons: a first line and an explanation each; the same reason for several calls only once
+    reasons = {" ".join(line.strip() for line in reason.strip().splitlines()[:2] if line.strip()) for reason in breaks}
+    causes = "; ".join(sorted(r.rstrip(".") for r in reasons)) or "torch gave none"
+    warnings.warn(
+        f"FSDP2Strategy(compile=...): block {name!r} {' and '.join(what)} in its first training step; torch's"
+        f" reason: {causes}. The block trains correctly, but not compiled (or in pieces). Common causes: a forward"
+        " hook on a module inside the block that changes outside state (appends to a list: register it on the block"
+        " itself, or remove it while training), a .item() or print in a forward. TORCH_LOGS=graph_breaks prints"
+        " torch's full report. Given once, for the first such block.",
+        stacklevel=2,
+    )
 
 
 def _class_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
