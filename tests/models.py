@@ -242,7 +242,8 @@ def fit_resumable(
     trainer.fit(model, ckpt_path=resume_from)
     if save_to:
         trainer.save_checkpoint(save_to)
-    return {"state": full_state(model), "step": trainer.global_step, "lr": trainer.optimizers[0].param_groups[0]["lr"]}
+    return {"state": full_state(model), "step": trainer.global_step, "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "ran": len(model.losses)}
 
 
 def fit_resumable_single_device(
