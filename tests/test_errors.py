@@ -161,3 +161,67 @@ def test_each_front_ends_strategy_given_to_the_other_names_the_right_class() -> 
         L.Fabric(accelerator="cpu", devices=1, strategy=FSDP2Strategy())
     with pytest.raises(ValueError, match=r"for the Trainer use lightning_fsdp2\.FSDP2Strategy"):
         L.Trainer(accelerator="cpu", devices=1, strategy=fabric.FSDP2Strategy())
+
+
+# --------------------------------------------------------------------------- a model sharded before set-up
+def _sharded_elsewhere(path: str, case: str) -> str:
+    """A model sharded before FSDP2Strategy sets it up, through the Trainer (in configure_model) or Fabric."""
+    import lightning as L
+    from torch.distributed.fsdp import fully_shard
+    from transformers import LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    from lightning_fsdp2.fabric import FSDP2Strategy as FabricFSDP2Strategy
+    from tests.models import LlamaModule, quiet_trainer_kwargs
+
+    def by_transformers() -> LlamaForCausalLM:
+        return LlamaForCausalLM.from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=2))
+
+    class Presharded(LlamaModule):
+        def configure_model(self) -> None:
+            if self.model is not None:
+                return
+            if case == "by-hand":  # ModelParallelStrategy's configure_model, left as it was
+                model = LlamaForCausalLM(tiny_llama_config())
+                for layer in model.model.layers:
+                    fully_shard(layer)
+                self.model = fully_shard(model)
+            else:
+                self.model = by_transformers()
+
+    try:
+        if case == "fabric":
+            fabric = L.Fabric(accelerator="cpu", devices=2, strategy=FabricFSDP2Strategy())
+            fabric.launch()
+            fabric.setup_module(by_transformers())
+        else:
+            strategy = FSDP2Strategy(meta_init=case != "transformers-real")
+            L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1,
+                      **quiet_trainer_kwargs()).fit(Presharded(lora=False))
+    except RuntimeError as err:
+        return str(err)
+    return "trained"
+
+
+@pytest.mark.parametrize(
+    ("case", "expected"),
+    [
+        ("transformers-meta", "from_pretrained(..., distributed_config=...) was called in `configure_model`"),
+        ("transformers-real", "LlamaForCausalLM was sharded by transformers (`from_pretrained(..., distributed_config="),
+        ("fabric", "LlamaForCausalLM was sharded by transformers (`from_pretrained(..., distributed_config="),
+        ("by-hand", "Modules ['model', 'model.model.layers.0', 'model.model.layers.1'] were passed to fully_shard"
+                    " before FSDP2Strategy set the model up"),
+    ],
+)
+def test_a_model_sharded_before_set_up_is_refused_on_every_rank(case: str, expected: str, tmp_path: Path) -> None:
+    """transformers' own FSDP2 (`from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2))`) inside
+    configure_model (meta init, or meta_init=False) or handed to Fabric's setup_module, and fully_shard calls left in
+    configure_model: refused on every rank before anything else, saying what to build instead (today's alternative
+    was torch's `c10d.broadcast_.default does not have a sharding strategy registered`)."""
+    from tests.helpers import run_distributed
+    from tests.models import save_tiny_pretrained
+
+    path = str(save_tiny_pretrained(tmp_path / "tiny"))
+    for message in run_distributed(_sharded_elsewhere, 2, path, case):
+        assert expected in message, message
+        assert "load_pretrained" in message or "delete those calls" in message, message

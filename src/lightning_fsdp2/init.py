@@ -101,6 +101,14 @@ def _refuse_loading_on_meta() -> list[tuple[type, Any]]:
         pass
 
     def refuse(cls: type, *args: Any, **kwargs: Any) -> None:
+        if kwargs.get("distributed_config") is not None:
+            raise RuntimeError(
+                f"{cls.__name__}.from_pretrained(..., distributed_config=...) was called in `configure_model` (or"
+                " `fabric.init_module()`): transformers would shard the model itself, and FSDP2Strategy does not take"
+                " over a model sharded elsewhere. Build it with `from_config(...)` and declare its weights with"
+                " load_pretrained (each rank reads only its shards' slices, as transformers' loader does);"
+                " DistributedConfig's dp_replicate_size/fsdp_size are FSDP2Strategy(device_mesh=(replicate, shard))."
+            )
         raise RuntimeError(
             f"{cls.__name__}.from_pretrained was called in `configure_model` (or `fabric.init_module()`) while"
             " FSDP2Strategy builds parameters on the meta device: the loaded weights would be dropped. Build the model"

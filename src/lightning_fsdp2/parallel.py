@@ -292,6 +292,7 @@ def parallelize(
     ``LightningModule``, whose steps call ``self.model``; see :func:`wrap.shard_model`).
     """
     check_no_fsdp1(module)
+    check_not_sharded_already(module)
     check_built(module)
     if training:
         check_trainable(module)
@@ -469,6 +470,42 @@ def check_no_fsdp1(module: nn.Module) -> None:
             " itself with FSDP2: build the plain modules (in `configure_model`, or under `fabric.init_module()`) and"
             " remove the FullyShardedDataParallel wrapping."
         )
+
+
+def check_not_sharded_already(module: nn.Module) -> None:
+    """Refuse a model whose parameters are sharded already: by transformers (``from_pretrained(...,
+    distributed_config=DistributedConfig(...))``), by ``fully_shard`` or ``parallelize_module`` calls left in the
+    user's code (``ModelParallelStrategy``'s way), or by another strategy's earlier run. FSDP2Strategy decides the
+    groups, the precision, the initialization and the load itself; sharding such a model again fails deep inside
+    torch (``c10d.broadcast_.default does not have a sharding strategy``). The same on every rank: all built the same
+    model."""
+    from torch.distributed.tensor import DTensor
+
+    groups = [name or "<root>" for name, m in module.named_modules() if isinstance(m, FSDPModule)]
+    sharded = [name for name, p in module.named_parameters() if isinstance(p, DTensor)]
+    if not groups and not sharded:
+        return
+    by_transformers = [(type(m).__bases__[-1] if isinstance(m, FSDPModule) else type(m)).__name__
+                       for m in module.modules()
+                       if getattr(getattr(m, "config", None), "distributed_config", None) is not None]
+    if by_transformers:
+        raise RuntimeError(
+            f"{by_transformers[0]} was sharded by transformers (`from_pretrained(..., distributed_config="
+            "DistributedConfig(...))`). FSDP2Strategy shards the model itself and does not take over a model sharded"
+            " elsewhere. Drop `distributed_config` and build the model with `AutoModelForCausalLM.from_config(config)`"
+            " plus `load_pretrained(model, path)` in `configure_model` (or under `fabric.init_module()`): each rank"
+            " reads only its shards' slices, as transformers' loader does; `FSDP2Strategy(device_mesh=(replicate,"
+            " shard))` is DistributedConfig's `dp_replicate_size`/`fsdp_size`. To keep transformers' sharding, train"
+            " with Lightning's ModelParallelStrategy or your own loop instead."
+        )
+    what = f"Modules {groups[:5]} were passed to fully_shard" if groups else f"Parameters {sharded[:5]} are DTensors"
+    raise RuntimeError(
+        f"{what} before FSDP2Strategy set the model up: it is sharded already, by your code (`fully_shard` or"
+        " `parallelize_module` calls, ModelParallelStrategy's way) or by an earlier Trainer/Fabric run. FSDP2Strategy"
+        " calls fully_shard itself: delete those calls from `configure_model`, keep the model construction (see"
+        " docs/comparison.md, 'Moving from them'); run fit/validate/test of one model with one Trainer; or start"
+        " from a newly built model."
+    )
 
 
 def untrainable_reason(module: nn.Module) -> str | None:
