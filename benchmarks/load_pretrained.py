@@ -7,12 +7,17 @@ alternating, repeated, medians reported:
   the safetensors files (``lightning_fsdp2.load_pretrained``).
 - ``eager``: the model is built for real on every rank (``FSDP2Strategy(meta_init=False)``), the whole state
   dict is loaded into it from the files, and only then is it sharded.
+- ``transformers-fsdp``: transformers shards the model itself,
+  ``from_pretrained(path, distributed_config=DistributedConfig(fsdp_size=2))`` (transformers 5's own FSDP2), in a
+  plain process group with no Lightning: the peer for "could transformers load it for us?". FSDP2Strategy does not
+  take such a model over (it refuses it, saying to use ``load_pretrained``); this row says what that costs.
 - ``read-only``: each rank just reads its share of the checkpoint bytes into fresh memory, one tensor at a time
   (the same slices, kept nowhere): the floor for any loader.
 
 Time is from the start of ``configure_model`` to the first validation step (so it includes sharding,
-materialization, initialization and loading); memory is the peak resident set size (``VmHWM``) per rank above
-what the process held when ``configure_model`` started.
+materialization, initialization and loading), and for ``transformers-fsdp`` the ``from_pretrained`` call (which
+shards, materializes and loads); memory is the peak resident set size (``VmHWM``) per rank above what the process
+held when ``configure_model`` (or ``from_pretrained``) started.
 
     python benchmarks/load_pretrained.py                # ~150M parameters
     python benchmarks/load_pretrained.py --size large   # ~550M parameters (needs ~10 GB RAM)
@@ -103,6 +108,8 @@ class StartUp(L.LightningModule):
 def _start_up(size: str, checkpoint: str, method: str) -> dict:
     if method == "read-only":
         return _read_share(checkpoint)
+    if method == "transformers-fsdp":
+        return _transformers_fsdp(checkpoint)
     module = StartUp(size, checkpoint, method)
     strategy = FSDP2Strategy(meta_init=(method == "load_pretrained"))
     trainer = L.Trainer(
@@ -140,6 +147,28 @@ def _read_share(checkpoint: str) -> dict:
     return result
 
 
+def _transformers_fsdp(checkpoint: str) -> dict:
+    """transformers 5's own FSDP2: ``from_pretrained`` with a ``DistributedConfig``, in a plain gloo group."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import DTensor
+    from transformers import LlamaForCausalLM
+    from transformers.distributed import DistributedConfig
+
+    dist.init_process_group("gloo")
+    start_kb = _reset_peak()
+    t0 = time.perf_counter()
+    model = LlamaForCausalLM.from_pretrained(checkpoint, distributed_config=DistributedConfig(fsdp_size=2))
+    # Its shards may still be views of the memory-mapped files, read only when first used: touch each (as the
+    # first step would), so that time and memory count the reading as they do for the other methods.
+    for param in model.parameters():
+        (param.to_local() if isinstance(param, DTensor) else param).sum()
+    dist.barrier()
+    result = {"seconds": time.perf_counter() - t0, "peak_kb": _status_kb("VmHWM") - start_kb,
+              "sharded": all(isinstance(p, DTensor) for p in model.parameters())}
+    dist.destroy_process_group()
+    return result
+
+
 def _make_checkpoint(size: str, path: Path) -> int:
     from transformers import LlamaForCausalLM
 
@@ -163,7 +192,7 @@ def main() -> None:
     checkpoint = Path(args.cache) / f"llama-{args.size}"
     n_params = _make_checkpoint(args.size, checkpoint)
     model_mb = n_params * 4 / 2**20
-    methods = ["load_pretrained", "eager", "read-only"]
+    methods = ["load_pretrained", "eager", "transformers-fsdp", "read-only"]
     runs: dict[str, list[list[dict]]] = {m: [] for m in methods}
     for repeat in range(args.repeats):
         for method in methods if repeat % 2 == 0 else reversed(methods):  # alternate the order
@@ -188,6 +217,10 @@ def main() -> None:
         "repeats": args.repeats,
         "methods": rows,
         "eager_over_load_pretrained_time": rows["eager"]["seconds"] / base["seconds"],
+        "transformers_fsdp_over_load_pretrained_time": rows["transformers-fsdp"]["seconds"] / base["seconds"],
+        "transformers_fsdp_over_load_pretrained_peak": max(rows["transformers-fsdp"]["peak_mb_per_rank"])
+        / max(base["peak_mb_per_rank"]),
+        "transformers_fsdp_sharded": all(r["sharded"] for run in runs["transformers-fsdp"] for r in run),
         "load_pretrained_over_read_only_time": base["seconds"] / rows["read-only"]["seconds"],
         "peak_over_shard": max(base["peak_mb_per_rank"]) / (model_mb / 2),
         "command": f"python benchmarks/load_pretrained.py --size {args.size} --repeats {args.repeats}",
@@ -205,6 +238,9 @@ def main() -> None:
     lines += [
         "",
         f"- eager / load_pretrained time: {summary['eager_over_load_pretrained_time']:.2f}x",
+        f"- transformers-fsdp / load_pretrained: time {summary['transformers_fsdp_over_load_pretrained_time']:.2f}x,"
+        f" peak {summary['transformers_fsdp_over_load_pretrained_peak']:.2f}x (every parameter a DTensor:"
+        f" {summary['transformers_fsdp_sharded']})",
         f"- load_pretrained / read-only time: {summary['load_pretrained_over_read_only_time']:.2f}x",
         f"- load_pretrained peak / shard size: {summary['peak_over_shard']:.2f}x",
         "",
