@@ -422,9 +422,10 @@ def _deferred_error(base: str, adapter: str, case: str) -> str:
 @pytest.mark.parametrize(
     ("case", "expected"),
     [
-        ("shape", r"ValueError: load_pretrained\(quantize='nf4'\) cannot quantize 14 of 14 weight\(s\): .*of shape"
-                  r" \(64, 64\).* too small at world size 2: NF4 quantizes blocks of 64 values .* multiple of 16384 x 2"
-                  r".*smallest shapes that fit here: \(512, 64\) for \(64, 64\).*load without quantize='nf4'"),
+        ("shape", r"ValueError: load_pretrained\(quantize='nf4'\) cannot quantize 14 of 14 weight\(s\): weights that do"
+                  r" not split evenly into NF4 shards over 2 rank\(s\).*4 of shape \(64, 64\) \(fits at no size: its 4096"
+                  r" elements are not a multiple of 16384; the smallest with its columns that fits here: \(512, 64\)\)"
+                  r".*multiple of 16384 x 2.*load without quantize='nf4'"),
         ("trainable", r"ValueError: load_pretrained\(quantize='nf4'\) cannot quantize .* (is|are) trainable \(NF4 weights are"
                       r" frozen: wrap the model with peft's get_peft_model"),
     ],
@@ -444,9 +445,13 @@ def test_qlora_that_cannot_be_built_is_refused_on_every_rank(
         assert len(message) < 1500 and "skip=" not in message, message  # one short message, no way out that leaves nothing
 
 
-def test_qlora_shape_error_names_the_way_out_that_works() -> None:
-    """A model of which some weights fit NF4's shards at world size 2 and some only at world size 1: the message
-    names each failing shape once, the world size they would fit, and a `skip` that leaves the rest quantized."""
+@pytest.mark.parametrize("adapted", [False, True], ids=["plain", "peft-all-linear"])
+def test_qlora_shape_error_names_the_way_out_that_works(adapted: bool) -> None:
+    """A model of which some weights fit NF4's shards at world size 2 and some only at world size 1, plain and with
+    peft's LoRA on every linear layer (the weights then live in `<layer>.base_layer`): the message names each failing
+    shape once, where it would fit, the smallest shape that fits, and a `skip` that leaves out exactly those (checked
+    here with the same matching) and keeps the rest quantized."""
+    from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from lightning_fsdp2.quantize import check_nf4_targets, nf4_targets
@@ -455,17 +460,32 @@ def test_qlora_shape_error_names_the_way_out_that_works() -> None:
                          num_attention_heads=4, num_key_value_heads=4)
     with torch.device("meta"):
         model = LlamaForCausalLM(config).requires_grad_(False)
+        if adapted:
+            model = get_peft_model(model, LoraConfig(target_modules="all-linear"))
     shapes = {n: tuple(p.shape) for n, p in model.named_parameters()}
     names = nf4_targets(model, list(shapes), [])
     with pytest.raises(ValueError) as raised:
         check_nf4_targets(model, names, shapes, world_size=2)
     message = str(raised.value)
-    assert "cannot quantize 6 of 14 weight(s): 4 of shape (64, 256), 2 of shape (256, 64)" in message, message
-    assert "they would fit at world size 1" in message, message
-    assert "(128, 256) for (64, 256), (512, 64) for (256, 64)" in message, message
-    assert "skip=['down_proj', 'gate_proj', 'up_proj']) (8 weight(s) would still be quantized)" in message, message
+    assert "cannot quantize 6 of 14 weight(s)" in message, message
+    assert "4 of shape (64, 256) (fits at 1 rank(s); the smallest with its columns that fits here: (128, 256))" in message
+    assert "2 of shape (256, 64) (fits at 1 rank(s); the smallest with its columns that fits here: (512, 64))" in message
+    skip = ["down_proj", "gate_proj", "up_proj"]
+    assert f"skip={skip!r}) (8 weight(s) would still be quantized)" in message, message
     assert message.count("NF4 quantizes blocks") == 1, message
-    check_nf4_targets(model, [n for n in names if "mlp" not in n], shapes, world_size=2)  # the rest: no error
+    kept = nf4_targets(model, names, skip)
+    assert len(kept) == 8 and not any("mlp" in n for n in kept)
+    check_nf4_targets(model, kept, shapes, world_size=2)  # what the suggested skip leaves: no error
+
+
+def test_the_smallest_shape_that_fits_fits() -> None:
+    """The suggested shape fits NF4's shards, whatever the weight's size (also when it already has more rows than one
+    rank's blocks), and has no fewer rows than the weight."""
+    from lightning_fsdp2.quantize import _fits_nf4, _smallest_fit
+
+    for shape, world in [((40000, 3), 2), ((100, 200), 1), ((64, 64), 2), ((128, 896), 8), ((4096, 4096), 3)]:
+        fit = _smallest_fit(shape, world)
+        assert _fits_nf4(fit, world) and fit[1] == shape[1] and fit[0] >= shape[0], (shape, world, fit)
 
 
 def test_qlora_arguments_are_checked_when_load_pretrained_is_called(start: tuple[str, str]) -> None:
@@ -524,6 +544,7 @@ def test_the_package_imports_no_torchao_until_asked() -> None:
     import subprocess
     import sys
 
+    pytest.importorskip("torchao")  # where it is not installed, not importing it proves nothing
     code = ("import sys, lightning_fsdp2, lightning_fsdp2.fabric, lightning_fsdp2.checkpoint, lightning_fsdp2.lora\n"
             "print('torchao' in sys.modules)\n")
     root = Path(__file__).resolve().parents[1]

@@ -15,6 +15,7 @@ torchao is an optional dependency: ``pip install lightning-fsdp2[qlora]``.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Mapping, Sequence
 from typing import Any
 
@@ -125,26 +126,20 @@ def check_nf4_targets(
         problems.append(f"{_are(dtypes)} {'/'.join(kinds)}; torchao's to_nf4 takes float32, bfloat16 or float16")
     if by_shape:
         block = _BLOCK_SIZE * _SCALER_BLOCK_SIZE
-        groups = ", ".join(f"{len(group)} of shape {shape}" for shape, group in by_shape.items())
-        smallest = ", ".join(f"{_smallest_fit(shape, world_size)} for {shape}" for shape in by_shape)
-        worlds = sorted(set.intersection(*(set(_worlds_that_fit(shape, world_size)) for shape in by_shape)))
-        where = (f"they would fit at world size {', '.join(map(str, worlds))}" if worlds
-                 else "too few elements even for one process")
+        shapes_said = "; ".join(f"{len(group)} of shape {shape} ({_fit_note(shape, world_size)})"
+                                for shape, group in by_shape.items())
         problems.append(
-            f"{groups} (e.g. {_some([g[0] for g in by_shape.values()])}) too small at world size {world_size}:"
-            f" NF4 quantizes blocks of {_BLOCK_SIZE} values with one scale per {_SCALER_BLOCK_SIZE} blocks and FSDP2"
-            f" splits each weight along dim 0 into {world_size} shard(s), so a 2-D weight needs a multiple of"
-            f" {block} x {world_size} elements and rows divisible by {world_size}; {where}; the smallest shapes that"
-            f" fit here: {smallest}"
+            f"weights that do not split evenly into NF4 shards over {world_size} rank(s) (the shard group: the world"
+            f" size, or device_mesh's shard size under HSDP): {shapes_said}; e.g."
+            f" {_some([g[0] for g in by_shape.values()])}. NF4 quantizes blocks of {_BLOCK_SIZE} values with one scale"
+            f" per {_SCALER_BLOCK_SIZE} blocks and FSDP2 splits each weight along dim 0, so a 2-D weight needs a"
+            f" multiple of {block} x {world_size} elements and rows divisible by {world_size}"
         )
-    left = [n for n in names if n not in bad]
-    if left:
-        modules = sorted({n.rsplit(".", 1)[0].rsplit(".", 1)[-1] for n in bad})
-        way_out = (f"Fix those weights, or leave their modules out with load_pretrained(..., skip={modules!r})"
-                   f" ({len(left)} weight(s) would still be quantized)")
-    else:
-        way_out = ("No weight of this model can be quantized as it is: fix the above, or load without"
-                   " quantize='nf4'")
+    way_out = _skip_suggestion(module, names, bad) or (
+        "Fix those weights (or the shard group's size), or leave their modules out with"
+        " load_pretrained(..., skip=[...])")
+    if len(bad) == len(names):
+        way_out = "No weight of this model can be quantized as it is: fix the above, or load without quantize='nf4'"
     raise ValueError(
         f"load_pretrained(quantize='nf4') cannot quantize {len(bad)} of {len(names)} weight(s): "
         + "; ".join(problems) + f". {way_out}."
@@ -158,16 +153,46 @@ def _fits_nf4(shape: Sequence[int], world_size: int) -> bool:
     return len(shape) == 2 and not numel % (_BLOCK_SIZE * _SCALER_BLOCK_SIZE * world_size) and not shape[0] % world_size
 
 
-def _smallest_fit(shape: tuple[int, ...], world_size: int) -> tuple[int, ...]:
+def _fit_note(shape: tuple[int, ...], world_size: int) -> str:
+    """Where a shape would fit and the smallest one like it that fits here, in a few words."""
+    if len(shape) != 2:
+        return "not 2-D"
+    worlds = _worlds_that_fit(shape, world_size)
+    numel = shape[0] * shape[1]
+    where = (f"fits at {', '.join(map(str, worlds))} rank(s)" if worlds else
+             f"fits at no size: its {numel} elements are not a multiple of {_BLOCK_SIZE * _SCALER_BLOCK_SIZE}")
+    return f"{where}; the smallest with its columns that fits here: {_smallest_fit(shape, world_size)}"
+
+
+def _smallest_fit(shape: tuple[int, ...], world_size: int) -> tuple[int, int]:
     """The 2-D shape with ``shape``'s columns and the fewest rows (at least its own) that NF4 splits over
-    ``world_size`` ranks."""
-    rows, cols = (shape[0], shape[1]) if len(shape) == 2 else (shape[0] if shape else 1, 1)
+    ``world_size`` ranks: rows a multiple of the world size and of what makes rows x columns a multiple of NF4's
+    per-rank blocks."""
+    rows, cols = shape[0], shape[1]
     step = _BLOCK_SIZE * _SCALER_BLOCK_SIZE * world_size
-    while not _fits_nf4((rows, cols), world_size):
-        rows += 1
-        if rows > step:  # `step` rows always fit a 2-D weight: a bound, never reached
-            break
-    return (rows, cols)
+    multiple = math.lcm(world_size, step // math.gcd(step, cols))
+    return (-(-rows // multiple) * multiple, cols)
+
+
+def _skip_suggestion(module: nn.Module, names: Sequence[str], bad: Sequence[str]) -> str | None:
+    """A ``skip`` that leaves out exactly the failing weights' modules and keeps some weights quantized, checked with
+    :func:`nf4_targets`' own matching: short names first (``down_proj``; a peft ``base_layer`` is named by its
+    adapted layer), else the modules' full names; None if neither works."""
+    wrappers = {"base_layer"}  # peft's: the weight of an adapted layer lives in <layer>.base_layer
+
+    def module_of(weight: str) -> str:
+        parts = weight.split(".")[:-1]
+        while parts and parts[-1] in wrappers:
+            parts.pop()
+        return ".".join(parts)
+
+    full = sorted({module_of(n) for n in bad})
+    for skip in (sorted({m.rsplit(".", 1)[-1] for m in full}), full):
+        left = nf4_targets(module, list(names), skip)
+        if left and not set(left) & set(bad):
+            return (f"Fix those weights, or leave their modules out with load_pretrained(..., skip={skip!r})"
+                    f" ({len(left)} weight(s) would still be quantized)")
+    return None
 
 
 def _worlds_that_fit(shape: tuple[int, ...], world_size: int) -> list[int]:
