@@ -16,6 +16,7 @@ wrapper module, so parameter names and checkpoints are the same with and without
 from __future__ import annotations
 
 import functools
+import types
 from collections.abc import Callable, Collection, Mapping
 from contextlib import ExitStack
 from typing import Any, Literal, Union
@@ -111,13 +112,23 @@ def compile_blocks(
     so a stack of identical blocks compiles once (plus once for a block whose input needs no gradient, the first one
     under LoRA). Only training forwards (training mode, gradients enabled) are compiled: evaluation and generation,
     with a key/value cache (whose per-layer index would compile each layer anew) and no autograd, run eagerly.
+
+    Dynamo does not guard on module hooks (``torch._dynamo.config.skip_nnmodule_hook_guards``): a graph traced for
+    one block would serve another whose submodules carry other hooks, and skip them. So blocks whose submodules
+    carry hooks get compiled functions of their own (by the hooks they carry), and each call of this function makes
+    new ones (a new code object: dynamo keeps its cache on the code, so a second model in the process compiles
+    afresh instead of running the first one's graphs). Hooks registered on a submodule after the first step are not
+    seen: dynamo's own rule, which the docs repeat.
     """
-    plain = torch.compile(_class_forward, **options)
-    recomputed = torch.compile(_checkpointed_class_forward(context_fn(save)), **options)
+    compiled_for: dict[tuple[bool, tuple[int, ...]], Callable] = {}
     watch = _GraphWatch()
     for name in names:
         module = model.get_submodule(name)
-        compiled = recomputed if name in checkpointed else plain
+        key = (name in checkpointed, _inner_hooks(module))
+        if key not in compiled_for:
+            function = _checkpointed_class_forward(context_fn(save)) if key[0] else _class_forward
+            compiled_for[key] = torch.compile(_fresh(function), **options)
+        compiled = compiled_for[key]
 
         def forward(*args: Any, _module: nn.Module = module, _compiled: Callable = compiled, _name: str = name,
                     **kwargs: Any) -> Any:
@@ -134,11 +145,13 @@ class _GraphWatch:
     """Warn once, on rank 0, when a compiled block's first training forward broke its graph or compiled none (it
     then runs eagerly, or in pieces, without a word from torch): a hook on a submodule, a data-dependent branch, an
     unsupported call. Read from dynamo's counters around each block's first compiled call only (compilation happens
-    there, synchronously), so later steps pay nothing."""
+    there, synchronously), so later steps pay nothing. "No graph" means dynamo tried to compile a frame in that call
+    and made no graph: a call served from dynamo's cache (a second model compiled in the same process shares the
+    compiled code), or dynamo turned off (``TORCH_COMPILE_DISABLE=1``), is not one. Only rank 0 looks and speaks:
+    the ranks run the same code, so they break the same way."""
 
     def __init__(self) -> None:
         self._seen: set[str] = set()
-        self._compiled_once: set[int] = set()
         self._warned = False
 
     def pending(self, name: str) -> bool:
@@ -147,15 +160,15 @@ class _GraphWatch:
     def first_call(self, name: str, compiled: Callable, module: nn.Module, *args: Any, **kwargs: Any) -> Any:
         self._seen.add(name)
         counters = _dynamo_counters()
-        if counters is None:
+        if counters is None or self._warned:
             return compiled(module, *args, **kwargs)
-        breaks, graphs = dict(counters["graph_break"]), counters["stats"]["unique_graphs"]
+        breaks = dict(counters["graph_break"])
+        graphs, frames = counters["stats"]["unique_graphs"], counters["frames"]["total"]
         out = compiled(module, *args, **kwargs)
         new_breaks = {k: v - breaks.get(k, 0) for k, v in counters["graph_break"].items() if v > breaks.get(k, 0)}
-        first_of_function = id(compiled) not in self._compiled_once
-        self._compiled_once.add(id(compiled))
-        no_graph = first_of_function and counters["stats"]["unique_graphs"] == graphs
-        if (new_breaks or no_graph) and not self._warned:
+        tried = counters["frames"]["total"] > frames
+        no_graph = tried and counters["stats"]["unique_graphs"] == graphs
+        if new_breaks or no_graph:
             self._warned = True
             _warn_on_rank_zero(name, new_breaks, no_graph)
         return out
@@ -189,8 +202,20 @@ def _warn_on_rank_zero(name: str, breaks: Mapping[str, int], no_graph: bool) -> 
         " hook on a module inside the block that changes outside state (appends to a list: register it on the block"
         " itself, or remove it while training), a .item() or print in a forward. TORCH_LOGS=graph_breaks prints"
         " torch's full report. Given once, for the first such block.",
-        stacklevel=2,
+        stacklevel=1,  # raised from inside the training step: no line of the user's points at the cause
     )
+
+
+def _inner_hooks(block: nn.Module) -> tuple[int, ...]:
+    """The identities of the forward (pre-)hooks on the block's submodules (its own run outside the compiled code)."""
+    return tuple(id(hook) for sub in block.modules() if sub is not block
+                 for hooks in (sub._forward_pre_hooks, sub._forward_hooks) for hook in hooks.values())
+
+
+def _fresh(function: Callable[..., Any]) -> Callable[..., Any]:
+    """``function`` with a code object of its own: dynamo's cache of compiled graphs lives on the code object."""
+    return types.FunctionType(function.__code__.replace(), function.__globals__, function.__name__,
+                              function.__defaults__, function.__closure__)
 
 
 def _class_forward(module: nn.Module, *args: Any, **kwargs: Any) -> Any:
