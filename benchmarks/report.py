@@ -27,7 +27,9 @@ SECTIONS = [
     ("Start-up: loading a pretrained model", "load_pretrained-large", "load_pretrained on meta against an eager build "
      "plus whole-state-dict load then sharding, against transformers sharding the model itself "
      "(`from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2))`, which FSDP2Strategy refuses to take "
-     "over: this row is what that choice costs), and against reading the rank's share of the bytes."),
+     "over; timed around `from_pretrained` alone in a bare process group, while load_pretrained's time runs through "
+     "Lightning's set-up to the first step: not like for like, an upper bound on the gap), and against reading the "
+     "rank's share of the bytes."),
     ("Saving", "save", "Full and sharded checkpoints as the model grows, against Lightning's ModelParallelStrategy; "
      "asynchronous sharded saves during training."),
     ("LoRA memory: fp32, bf16, fp32 adapters on bf16, NF4 (QLoRA)", "memory", "The same LoRA fine-tune in four "

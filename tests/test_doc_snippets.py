@@ -7,6 +7,9 @@ statement that starts processes (``.fit(``, ``.launch()``, ...); a snippet that 
 own script, after the page's earlier snippets (up to what they start), at the world size it names (the README's
 first in every ``make test``, the others with ``--runslow``, as CI runs them).
 
+Classes a page defines are defined (and trained where a page's snippet trains them: the quickstart's and Fabric's
+loops); a page's ``configure_model`` shown alone is not run.
+
 Stand-ins, for what a snippet leaves to the user (``_standins`` below, imported before each page):
 - the paths ``"path/to/hf-model"``, ``"path/to/llama"`` and ``model_dir``: a tiny Llama saved by ``save_pretrained``,
   with a word-level tokenizer; ``"train.txt"`` (``text_file``): a text file of its words;
@@ -42,6 +45,8 @@ _IN_LAUNCHES = {"devices=8": "devices=2"}
 
 _STANDINS = '''
 """What the docs' snippets leave to the user, at tiny sizes (tests/test_doc_snippets.py)."""
+__all__ = ["dataset", "model", "model_dir", "text_file"]  # nothing else: a snippet's missing import must fail
+
 import os
 from pathlib import Path
 
@@ -120,6 +125,8 @@ def snippets(page: Path) -> list[Snippet]:
 
 ALL = [s for page in PAGES for s in snippets(page)]
 LAUNCHING = [s for s in ALL if s.reason is None and s.launches]
+# The README's first snippet that starts processes runs in every `make test`; the others with --runslow.
+FIRST = next(s for s in LAUNCHING if s.page.name == "README.md")
 
 
 def _script(snippet: Snippet | None, page: Path) -> str:
@@ -161,6 +168,9 @@ def _run(code: str, standins: Path, script: Path, timeout: int = 300) -> None:
 def test_every_snippet_runs_or_says_why_not() -> None:
     """Each block is Python (parses) and a block that is not run gives its reason."""
     assert len(ALL) > 40
+    for page in PAGES:  # no Python block is missed by the pattern (another fence spelling, text after `python`)
+        fences = re.findall(r"(?m)^[ \t]*```(py\S*)", page.read_text(encoding="utf-8"))
+        assert len(fences) == len(snippets(page)), (page, fences)
     for snippet in ALL:
         if snippet.reason is not None:
             assert snippet.reason, f"{snippet.where}: `<!-- not run: -->` needs a reason"
@@ -190,7 +200,7 @@ def test_snippets_up_to_what_starts_processes_run(
 # snippet runs in every `make test`, the others with --runslow (CI's `.ci/run`), to keep `make test` within its time.
 @pytest.mark.parametrize(
     "snippet",
-    [pytest.param(s, marks=[] if s.where == "README.md:28" else [pytest.mark.slow]) for s in LAUNCHING],
+    [pytest.param(s, marks=[] if s is FIRST else [pytest.mark.slow]) for s in LAUNCHING],
     ids=lambda s: s.where,
 )
 def test_snippets_that_start_processes_run(snippet: Snippet, standins: Path, tmp_path: Path) -> None:

@@ -206,7 +206,8 @@ def _sharded_elsewhere(path: str, case: str) -> str:
 @pytest.mark.parametrize(
     ("case", "expected"),
     [
-        ("transformers-meta", "from_pretrained(..., distributed_config=...) was called in `configure_model`"),
+        ("transformers-meta", "from_pretrained(..., distributed_config=... / tp_plan=...) was called in"
+                              " `configure_model`"),
         ("transformers-real", "LlamaForCausalLM was sharded by transformers (`from_pretrained(..., distributed_config="),
         ("fabric", "LlamaForCausalLM was sharded by transformers (`from_pretrained(..., distributed_config="),
         ("by-hand", "Modules ['model', 'model.model.layers.0', 'model.model.layers.1'] were passed to fully_shard"

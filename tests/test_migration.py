@@ -10,7 +10,6 @@ strategy's data-parallel mesh; ``save_distributed_checkpoint`` picks the format.
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
 import lightning as L
 import pytest

@@ -398,11 +398,24 @@ def test_a_launch_that_disagrees_with_devices_is_refused_on_every_rank(torchelas
         assert "does not match the world size (2)" in result, result
         assert ("TorchElastic" in result) == torchelastic, result
         # the fix, under torchrun from its own LOCAL_WORLD_SIZE (Lightning's message alone has none)
-        fix = "Set `Trainer(devices=2, num_nodes=1)`" if torchelastic else "Set `devices` to the processes per node"
+        fix = ("Set `Trainer(devices=2, num_nodes=1)` (or Fabric's) instead of devices=1" if torchelastic
+               else "Set `devices` (now 1) to the processes per node")
         assert fix in result, result
     (alone,) = run_distributed(_fit_with_devices, 1, 2, torchelastic)
     assert "does not match the world size (1)" in alone, alone
     assert "Set `Trainer(devices=1, num_nodes=1)`" in alone or not torchelastic, alone
+
+
+def test_the_launch_fix_counts_nodes_from_torchruns_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under torchrun the values to set come from its LOCAL_WORLD_SIZE and WORLD_SIZE (2 nodes of 4 here); under
+    another launcher that exports LOCAL_WORLD_SIZE too, no torchrun values are claimed."""
+    from lightning_fsdp2.parallel import _launch_fix
+
+    monkeypatch.setenv("WORLD_SIZE", "8")
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    assert _launch_fix(8, 1, torchrun=True).startswith(
+        "Set `Trainer(devices=4, num_nodes=2)` (or Fabric's) instead of devices=8, num_nodes=1")
+    assert _launch_fix(8, 1, torchrun=False).startswith("Set `devices` (now 8) to the processes per node")
 
 
 def _two_nodes_of_one(devices: int) -> str:

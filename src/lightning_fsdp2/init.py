@@ -101,10 +101,10 @@ def _refuse_loading_on_meta() -> list[tuple[type, Any]]:
         pass
 
     def refuse(cls: type, *args: Any, **kwargs: Any) -> None:
-        if kwargs.get("distributed_config") is not None:
+        if any(kwargs.get(k) is not None for k in ("distributed_config", "tp_plan", "tp_size")):
             raise RuntimeError(
-                f"{cls.__name__}.from_pretrained(..., distributed_config=...) was called in `configure_model` (or"
-                " `fabric.init_module()`): transformers would shard the model itself, and FSDP2Strategy does not take"
+                f"{cls.__name__}.from_pretrained(..., distributed_config=... / tp_plan=...) was called in"
+                " `configure_model` (or `fabric.init_module()`): transformers would shard the model itself, and FSDP2Strategy does not take"
                 " over a model sharded elsewhere. Build it with `from_config(...)` and declare its weights with"
                 " load_pretrained (each rank reads only its shards' slices, as transformers' loader does);"
                 " DistributedConfig's dp_replicate_size/fsdp_size are FSDP2Strategy(device_mesh=(replicate, shard))."

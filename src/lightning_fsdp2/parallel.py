@@ -405,15 +405,18 @@ def no_gradient_sync(module: nn.Module, enabled: bool = True) -> Generator[None,
             group.set_requires_gradient_sync(True, recurse=False)
 
 
-def _launch_fix(num_processes: int, num_nodes: int) -> str:
-    """What to set, from the launcher's own numbers where it exports them (torchrun's ``LOCAL_WORLD_SIZE``)."""
+def _launch_fix(num_processes: int, num_nodes: int, torchrun: bool) -> str:
+    """What to set instead of ``devices=num_processes, num_nodes=num_nodes``: from torchrun's own numbers
+    (``LOCAL_WORLD_SIZE``, ``WORLD_SIZE``) under torchrun, else in general terms."""
     world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
-    if world and local and int(local) > 0 and int(world) % int(local) == 0:
-        return (f"Set `Trainer(devices={local}, num_nodes={int(world) // int(local)})` (or Fabric's) as the launcher"
-                f" started them: {local} process(es) per node (torchrun's --nproc-per-node), {int(world) // int(local)}"
-                " node(s) (--nnodes).")
-    return ("Set `devices` to the processes per node and `num_nodes` to the nodes the launcher started (torchrun's"
-            " --nproc-per-node and --nnodes; SLURM's --ntasks-per-node and --nodes).")
+    if torchrun and world and local and int(local) > 0 and int(world) % int(local) == 0:
+        nodes = int(world) // int(local)
+        return (f"Set `Trainer(devices={local}, num_nodes={nodes})` (or Fabric's) instead of devices={num_processes},"
+                f" num_nodes={num_nodes}: torchrun started {local} process(es) per node (--nproc-per-node) on"
+                f" {nodes} node(s) (--nnodes).")
+    return (f"Set `devices` (now {num_processes}) to the processes per node and `num_nodes` (now {num_nodes}) to the"
+            " nodes the launcher started (torchrun's --nproc-per-node and --nnodes; SLURM's --ntasks-per-node and"
+            " --nodes).")
 
 
 def validate_external_launch(env: Any, *, num_processes: int, num_nodes: int, local_rank: int, node_rank: int) -> None:
@@ -428,14 +431,15 @@ def validate_external_launch(env: Any, *, num_processes: int, num_nodes: int, lo
     except ValueError as err:
         if "HINT" in str(err):  # SLURM's messages already say what to set
             raise
-        raise ValueError(f"{err} {_launch_fix(num_processes, num_nodes)}") from err
+        torchrun = type(env).__name__ == "TorchElasticEnvironment"
+        raise ValueError(f"{err} {_launch_fix(num_processes, num_nodes, torchrun)}") from err
     expected = num_processes * num_nodes
     world = os.environ.get("WORLD_SIZE")
     if world is not None and int(world) != expected:
         raise ValueError(
             f"You set `devices={num_processes}` and `num_nodes={num_nodes}` in Lightning, but the product"
             f" ({num_processes} * {num_nodes}) does not match the world size ({world}) of the processes"
-            f" your launcher started. {_launch_fix(num_processes, num_nodes)}"
+            f" your launcher started. {_launch_fix(num_processes, num_nodes, torchrun=False)}"
         )
     if not 0 <= local_rank < num_processes:
         raise ValueError(
@@ -485,26 +489,30 @@ def check_not_sharded_already(module: nn.Module) -> None:
     sharded = [name for name, p in module.named_parameters() if isinstance(p, DTensor)]
     if not groups and not sharded:
         return
-    by_transformers = [(type(m).__bases__[-1] if isinstance(m, FSDPModule) else type(m)).__name__
-                       for m in module.modules()
+    by_transformers = [(m, getattr(m.config, "distributed_config")) for m in module.modules()
                        if getattr(getattr(m, "config", None), "distributed_config", None) is not None]
     if by_transformers:
+        owner, config = by_transformers[0]
+        name = (type(owner).__bases__[-1] if isinstance(owner, FSDPModule) else type(owner)).__name__
+        tensor_parallel = (getattr(config, "tp_size", None) or 1) > 1
+        layout = (" FSDP2Strategy has no tensor parallelism yet: for tp_size > 1 keep transformers' sharding (below)."
+                  if tensor_parallel else " `FSDP2Strategy(device_mesh=(replicate, shard))` is DistributedConfig's"
+                  " `dp_replicate_size`/`fsdp_size`.")
         raise RuntimeError(
-            f"{by_transformers[0]} was sharded by transformers (`from_pretrained(..., distributed_config="
+            f"{name} was sharded by transformers (`from_pretrained(..., distributed_config="
             "DistributedConfig(...))`). FSDP2Strategy shards the model itself and does not take over a model sharded"
             " elsewhere. Drop `distributed_config` and build the model with `AutoModelForCausalLM.from_config(config)`"
             " plus `load_pretrained(model, path)` in `configure_model` (or under `fabric.init_module()`): each rank"
-            " reads only its shards' slices, as transformers' loader does; `FSDP2Strategy(device_mesh=(replicate,"
-            " shard))` is DistributedConfig's `dp_replicate_size`/`fsdp_size`. To keep transformers' sharding, train"
-            " with Lightning's ModelParallelStrategy or your own loop instead."
+            f" reads only its shards' slices, as transformers' loader does.{layout} To keep transformers' sharding,"
+            " train with Lightning's ModelParallelStrategy or your own loop instead."
         )
     what = f"Modules {groups[:5]} were passed to fully_shard" if groups else f"Parameters {sharded[:5]} are DTensors"
     raise RuntimeError(
         f"{what} before FSDP2Strategy set the model up: it is sharded already, by your code (`fully_shard` or"
         " `parallelize_module` calls, ModelParallelStrategy's way) or by an earlier Trainer/Fabric run. FSDP2Strategy"
         " calls fully_shard itself: delete those calls from `configure_model`, keep the model construction (see"
-        " docs/comparison.md, 'Moving from them'); run fit/validate/test of one model with one Trainer; or start"
-        " from a newly built model."
+        " docs/comparison.md, 'Moving from them'); run fit/validate/test of one model with one Trainer; after a"
+        " set-up that failed part-way (a load that did not fit), or to start over, build the model anew."
     )
 
 
