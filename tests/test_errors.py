@@ -194,6 +194,20 @@ def _sharded_elsewhere(path: str, case: str) -> str:
             fabric = L.Fabric(accelerator="cpu", devices=2, strategy=FabricFSDP2Strategy())
             fabric.launch()
             fabric.setup_module(by_transformers())
+        elif case == "fabric-twice":  # the same strategy sets up the same module again: returned as it is
+            fabric = L.Fabric(accelerator="cpu", devices=2, strategy=FabricFSDP2Strategy())
+            fabric.launch()
+            with fabric.init_module():
+                model = LlamaForCausalLM(tiny_llama_config())
+            first = fabric.setup_module(model)
+            again = fabric.strategy.setup_module(first.module)
+            return "set up once" if again is first.module else "set up twice"
+        elif case == "earlier-run":  # a module one Trainer set up, given to a new Trainer
+            module = LlamaModule(lora=False)
+            L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), max_steps=1,
+                      **quiet_trainer_kwargs()).fit(module)
+            L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), max_steps=2,
+                      **quiet_trainer_kwargs()).fit(module)
         else:
             strategy = FSDP2Strategy(meta_init=case != "transformers-real")
             L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=1,
@@ -212,17 +226,20 @@ def _sharded_elsewhere(path: str, case: str) -> str:
         ("fabric", "LlamaForCausalLM was sharded by transformers (`from_pretrained(..., distributed_config="),
         ("by-hand", "Modules ['model', 'model.model.layers.0', 'model.model.layers.1'] were passed to fully_shard"
                     " before FSDP2Strategy set the model up"),
+        ("earlier-run", "were passed to fully_shard before FSDP2Strategy set the model up: it is sharded already"),
+        ("fabric-twice", "set up once"),
     ],
 )
 def test_a_model_sharded_before_set_up_is_refused_on_every_rank(case: str, expected: str, tmp_path: Path) -> None:
     """transformers' own FSDP2 (`from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2))`) inside
-    configure_model (meta init, or meta_init=False) or handed to Fabric's setup_module, and fully_shard calls left in
-    configure_model: refused on every rank before anything else, saying what to build instead (today's alternative
-    was torch's `c10d.broadcast_.default does not have a sharding strategy registered`)."""
+    configure_model (meta init, or meta_init=False) or handed to Fabric's setup_module, fully_shard calls left in
+    configure_model, and a module one Trainer set up given to a new one: refused on every rank before anything else,
+    saying what to build instead (before: torch's `c10d.broadcast_.default does not have a sharding strategy
+    registered`). The same Fabric strategy given its own set-up module again returns it as it is."""
     from tests.helpers import run_distributed
     from tests.models import save_tiny_pretrained
 
     path = str(save_tiny_pretrained(tmp_path / "tiny"))
     for message in run_distributed(_sharded_elsewhere, 2, path, case):
         assert expected in message, message
-        assert "load_pretrained" in message or "delete those calls" in message, message
+        assert "load_pretrained" in message or "delete those calls" in message or case == "fabric-twice", message
