@@ -248,6 +248,7 @@ def _fit_hooked(hooked: bool) -> dict:
     return {"warnings": found, "graph_breaks": sum(counters["graph_break"].values())}
 
 
+@pytest.mark.slow  # the issue's case end to end at world size 2; the one-process tests below cover the logic
 def test_a_compiled_block_that_breaks_its_graph_is_warned_about_once_on_rank_zero() -> None:
     """compile + whole-block checkpointing + "matmuls" with a forward hook inside each block: dynamo breaks the graph
     (torch says nothing; the step runs eagerly). One warning on rank 0 names the first block and torch's reason;

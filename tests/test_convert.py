@@ -6,6 +6,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 import torch
 
 from lightning_fsdp2.convert import sharded_to_full, to_hf_safetensors
@@ -39,6 +40,7 @@ def test_sharded_checkpoint_converts_to_full_and_to_hugging_face(pretrained: Pat
     assert torch.allclose(probe_logits(AutoModelForCausalLM.from_pretrained(from_full)), probe_logits(expected), atol=1e-5)
 
 
+@pytest.mark.slow  # about 20 s: two training runs; `make test` time
 def test_hf_export_of_a_lora_checkpoint_is_refused_with_a_pointer(pretrained: Path, tmp_path: Path) -> None:
     """A LoRA run's checkpoint holds peft's names, which from_pretrained cannot read: the converter refuses (exit 1,
     nothing written) and points at save_merged/save_adapter; with --keep-peft-names it writes them for

@@ -4,8 +4,8 @@ A ```python block runs unless the line right above it is ``<!-- not run: REASON 
 call that needs a checkpoint or a GPU, an argument list with ``...``). Snippets of one page build on each other as a
 reader's script would. All of a page's snippets run in order in one process, each up to its first top-level
 statement that starts processes (``.fit(``, ``.launch()``, ...); a snippet that starts processes runs whole as its
-own script, after the page's earlier snippets (up to what they start), at the world size it names (the README's
-first in every ``make test``, the others with ``--runslow``, as CI runs them).
+own script, after the page's earlier snippets (up to what they start), at the world size it names (with
+``--runslow``, as CI runs them).
 
 Classes a page defines are defined (and trained where a page's snippet trains them: the quickstart's and Fabric's
 loops); a page's ``configure_model`` shown alone is not run.
@@ -125,8 +125,7 @@ def snippets(page: Path) -> list[Snippet]:
 
 ALL = [s for page in PAGES for s in snippets(page)]
 LAUNCHING = [s for s in ALL if s.reason is None and s.launches]
-# The README's first snippet that starts processes runs in every `make test`; the others with --runslow.
-FIRST = next(s for s in LAUNCHING if s.page.name == "README.md")
+
 
 
 def _script(snippet: Snippet | None, page: Path) -> str:
@@ -196,13 +195,10 @@ def test_snippets_up_to_what_starts_processes_run(
             exec(compile(snippet.before_launch, snippet.where, "exec"), namespace)  # noqa: S102 - the docs' code
 
 
-# About 20 s each (two processes that import torch, Lightning and transformers, then train): the README's first
-# snippet runs in every `make test`, the others with --runslow (CI's `.ci/run`), to keep `make test` within its time.
-@pytest.mark.parametrize(
-    "snippet",
-    [pytest.param(s, marks=[] if s is FIRST else [pytest.mark.slow]) for s in LAUNCHING],
-    ids=lambda s: s.where,
-)
+# About 20 s each (two processes that import torch, Lightning and transformers, then train): with --runslow (CI's
+# `.ci/run`), to keep `make test` within its time; what comes before their launch runs in every `make test` above.
+@pytest.mark.slow
+@pytest.mark.parametrize("snippet", LAUNCHING, ids=lambda s: s.where)
 def test_snippets_that_start_processes_run(snippet: Snippet, standins: Path, tmp_path: Path) -> None:
     """A snippet that trains (or launches Fabric), as its own script after the page's earlier definitions."""
     _run(_script(snippet, snippet.page), standins, tmp_path / f"{snippet.page.stem}_{snippet.line}.py")

@@ -237,3 +237,32 @@ def test_every_error_in_troubleshooting_is_triggered_by_a_named_test() -> None:
         start = min([d.lineno for d in node.decorator_list] + [node.lineno])
         code = "\n".join(source.splitlines()[start - 1 : node.end_lineno])
         assert fragment in code, f"{heading}: {path}::{name} does not check {fragment!r}"
+
+
+# ------------------------------------------------------------------------------------------------ version floors
+# What the code needs of each dependency, and where: a floor below these is a promise the code cannot keep.
+_NEEDS = {
+    "lightning": ("2.6", "lightning.pytorch.callbacks.WeightAveraging (lightning_fsdp2/averaging.py)"),
+    "transformers": ("5.24", "transformers.core_model_loading as 5.24 has it (lightning_fsdp2/checkpoint/sources.py)"),
+    "peft": ("0.21", "peft's layer internals, tested with 0.21 only"),
+    "torch": ("2.6", "torch.distributed.fsdp.fully_shard, public from 2.6"),
+}
+
+
+def test_version_floors_are_true() -> None:
+    """pyproject.toml's floors are at least what the code needs (_NEEDS), the pinned versions meet them, and the
+    README's "Supported versions" states the same floors."""
+    from importlib.metadata import version
+
+    from packaging.version import Version
+
+    tomllib = pytest.importorskip("tomllib")  # Python 3.11+
+    declared = {}
+    for requirement in tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]["dependencies"]:
+        name, _, floor = requirement.partition(">=")
+        declared[name.strip()] = floor.strip()
+    readme = (ROOT / "README.md").read_text(encoding="utf-8")
+    for name, (needed, why) in _NEEDS.items():
+        assert Version(declared[name]) >= Version(needed), f"{name}>={declared[name]}, but the code needs {why}"
+        assert Version(version(name)) >= Version(declared[name]), f"installed {name} is older than its floor"
+        assert f"`{name}>={declared[name]}`" in readme, f"README's Supported versions does not say {name}>={declared[name]}"

@@ -251,24 +251,40 @@ def test_bf16_mixed_keeps_fp32_master_weights_and_computes_low(user_policy: str 
     assert rank["finite"]
 
 
+class _OverflowOnRank0(LlamaModule):
+    """In the first step, an inf in rank 0's shard of one gradient only (after backward's reduce-scatter): what an
+    fp16 overflow in one rank's part looks like. A plain GradScaler would skip the step on rank 0 alone and step on
+    rank 1, and halve the scale on rank 0 alone; a sharded one agrees on the inf across ranks."""
+
+    def on_after_backward(self) -> None:
+        if self.trainer.global_step == 0 and self.global_rank == 0:
+            grad = next(p.grad for p in self.parameters() if p.grad is not None)
+            grad.to_local().view(-1)[0] = float("inf")
+
+
 def _fit_16_mixed() -> dict:
     from lightning_fsdp2 import FSDP2Precision
 
-    module = LlamaModule()
+    module = _OverflowOnRank0()
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=FSDP2Strategy(), plugins=FSDP2Precision("16-mixed"), **_trainer_kwargs()
     )
     trainer.fit(module)
     scaler = trainer.strategy.precision_plugin.scaler
     return {"losses": module.losses, "scale": float(scaler.get_scale()), "state": full_state(module),
-            "device": trainer.precision_plugin.device}
+            "device": trainer.precision_plugin.device, "initial_scale": float(scaler._init_scale),
+            "backoff": float(scaler.get_backoff_factor())}
 
 
 def test_16_mixed_uses_a_sharded_grad_scaler() -> None:
+    """16-mixed with an inf in rank 0's gradient shard only in the first step: both ranks skip that step and back off
+    the scale together (a plain GradScaler would not: ranks would end with different scales and weights)."""
     results = run_distributed(_fit_16_mixed, 2)
     assert all(torch.isfinite(torch.tensor(results[0]["losses"])))
-    # The loss really was scaled (a scaler without a supported device disables itself and reports 1.0) ...
-    assert results[0]["scale"] == results[1]["scale"] > 1.0
+    # The loss really was scaled (a scaler without a supported device disables itself and reports 1.0), and the
+    # overflow on rank 0 backed the scale off once on both ranks ...
+    first = results[0]
+    assert first["scale"] == results[1]["scale"] == first["initial_scale"] * first["backoff"] > 1.0, results
     assert results[0]["device"] == ("cuda" if torch.cuda.is_available() else "cpu")  # as Lightning's plugins have it
     for key, value in results[0]["state"].items():
         assert torch.equal(value, results[1]["state"][key])
