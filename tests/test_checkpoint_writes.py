@@ -341,16 +341,32 @@ def _async_save_is_a_snapshot(pretrained: str, path: str) -> dict:
     from lightning_fsdp2 import FSDP2Strategy
     from tests.models import ResumeModule, full_state, quiet_trainer_kwargs
 
+    import threading
+
+    from torch.distributed.checkpoint import FileSystemWriter
+
     seen: dict = {}
+    # DCP's writer waits (at most 60 s) until the weights have changed: a save_checkpoint that returned only after
+    # writing (not in the background) would find the write already done, and the test says so.
+    release, wrote = threading.Event(), threading.Event()
+    write_data = FileSystemWriter.write_data
+
+    def gated(self, *args, **kwargs):
+        release.wait(timeout=60)
+        wrote.set()
+        return write_data(self, *args, **kwargs)
+
+    FileSystemWriter.write_data = gated  # this child process only
 
     class SaveThenChange(L.Callback):
         def on_train_epoch_end(self, trainer, pl_module) -> None:
             seen["at_save"] = full_state(pl_module)
             trainer.save_checkpoint(path)
-            seen["was_pending"] = trainer.strategy._background.path is not None
+            seen["was_pending"] = not wrote.is_set()  # returned while the background write had not started writing
             with torch.no_grad():
                 for param in pl_module.parameters():
                     param.add_(1.0)
+            release.set()
 
     trainer = L.Trainer(
         accelerator="cpu", devices=2, strategy=FSDP2Strategy(state_dict_type="sharded", async_save=True),
