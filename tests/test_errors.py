@@ -101,18 +101,18 @@ def test_optimizer_state_that_does_not_fit_is_named() -> None:
 
 
 def test_flags_are_bools_and_reshard_sizes_that_cannot_apply_say_so() -> None:
-    from lightning_fsdp2.parallel import ShardingOptions
+    from lightning_fsdp2.layout import Layout
+    from lightning_fsdp2.options import StrategyOptions
 
     with pytest.raises(TypeError, match=r"reshard_last_block='no'\): pass True or False"):
         FSDP2Strategy(reshard_last_block="no")
     with pytest.raises(TypeError, match=r"offload_activations=1\): pass True or False"):
         FSDP2Strategy(offload_activations=1)
-    options = ShardingOptions.from_arguments(auto_wrap_policy=None, activation_checkpointing_policy=None,
-                                             mixed_precision=None, reshard_after_forward=3, cpu_offload=False)
+    options = StrategyOptions.from_arguments(reshard_after_forward=3)
     with pytest.raises(ValueError, match="2 ranks have none"):  # no int applies at all
-        options.check(2, torch.device("cpu"), devices_per_node=2)
+        options.check(Layout.resolve(None, 2, 2, "cpu"), torch.device("cpu"))
     with pytest.raises(ValueError, match="a divisor of 4 other than 1 and 4"):
-        options.check(4, torch.device("cpu"), devices_per_node=4)
+        options.check(Layout.resolve(None, 4, 4, "cpu"), torch.device("cpu"))
 
 
 def test_an_option_that_cannot_be_pickled_is_refused_when_the_start_method_pickles() -> None:

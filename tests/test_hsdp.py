@@ -262,23 +262,22 @@ def test_a_mesh_that_does_not_cover_the_processes_is_refused_on_every_rank() -> 
 
 
 def test_shard_groups_that_straddle_nodes_and_malformed_meshes_are_refused() -> None:
-    from lightning_fsdp2.parallel import ShardingOptions
+    from lightning_fsdp2.options import StrategyOptions
 
-    def options(mesh: object, reshard: bool | int = True) -> ShardingOptions:
-        return ShardingOptions.from_arguments(auto_wrap_policy=None, activation_checkpointing_policy=None,
-                                              mixed_precision=None, reshard_after_forward=reshard, cpu_offload=False,
-                                              device_mesh=mesh)
+    def check(mesh: object, world: int, devices_per_node: int, reshard: bool | int = True) -> None:
+        options = StrategyOptions.from_arguments(device_mesh=mesh, reshard_after_forward=reshard)
+        options.check(options.layout.resolve(world, devices_per_node, "cpu"), torch.device("cpu"))
 
     # 3 nodes x 2 devices as 2 replicas x 3 shards: the second shard group takes one device of node 1 and both of
     # node 2, so its all-gathers cross between nodes.
     with pytest.raises(ValueError, match=r"shard groups of 3 ranks straddle nodes of 2 devices"):
-        options((2, 3)).check(6, torch.device("cpu"), devices_per_node=2)
-    options((3, 2)).check(6, torch.device("cpu"), devices_per_node=2)  # one shard group per node
-    options((1, 4)).check(4, torch.device("cpu"), devices_per_node=2)  # one shard group of two whole nodes
+        check((2, 3), 6, devices_per_node=2)
+    check((3, 2), 6, devices_per_node=2)  # one shard group per node
+    check((1, 4), 4, devices_per_node=2)  # one shard group of two whole nodes
     for bad in ((2,), (2, 0), (2.0, 2), "2x2", (True, 2)):
         with pytest.raises(TypeError, match=r"pass a tuple \(replicate, shard\) of two positive ints"):
-            options(bad)
+            StrategyOptions.from_arguments(device_mesh=bad)
     with pytest.raises(ValueError, match=r"2 ranks have none \(no divisor of 2 other than 1 and itself\)"):
-        options((2, 2), reshard=2).check(4, torch.device("cpu"), devices_per_node=2)
+        check((2, 2), 4, devices_per_node=2, reshard=2)
     with pytest.raises(ValueError, match=r"a divisor of 4 other than 1 and 4"):
-        options((1, 4), reshard=3).check(4, torch.device("cpu"), devices_per_node=4)
+        check((1, 4), 4, devices_per_node=4, reshard=3)

@@ -29,7 +29,8 @@ from lightning_fsdp2.checkpoint.files import (
     load_torch_file,
     stale_safetensors_weights,
 )
-from lightning_fsdp2.checkpoint.formats import optimizer_state_by_index, read_sharded_meta
+from lightning_fsdp2.checkpoint.formats import read_sharded_meta
+from lightning_fsdp2.checkpoint.optimizer_keys import optimizer_state_by_index
 from lightning_fsdp2.checkpoint.plan import canonical_name, is_adapter_key
 
 __all__ = ["read_full_checkpoint", "sharded_to_full", "to_hf_safetensors", "main"]

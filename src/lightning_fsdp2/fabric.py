@@ -19,7 +19,7 @@ from __future__ import annotations
 import weakref
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+from contextlib import AbstractContextManager
 from datetime import timedelta
 from typing import Any
 
@@ -27,7 +27,7 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.precision import Precision
+from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _apply_filter, _BackwardSyncControl
@@ -38,7 +38,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy
 from torch.optim import Optimizer
 
-from lightning_fsdp2._processes import ProcessesMixin
+from lightning_fsdp2._frontend import FrontEndCore, precision_property
 from lightning_fsdp2.blocks import SavePolicy
 from lightning_fsdp2.checkpoint import formats
 from lightning_fsdp2.checkpoint.files import (
@@ -51,54 +51,16 @@ from lightning_fsdp2.checkpoint.files import (
 from lightning_fsdp2.checkpoint.module_load import install_optimizer_load_hook
 from lightning_fsdp2.checkpoint.plan import tied_aliases
 from lightning_fsdp2.checkpoint.pretrained import load_pretrained
-from lightning_fsdp2.init import meta_init_context
-from lightning_fsdp2.parallel import (
-    Parallelized,
-    ShardingOptions,
-    check_not_rebuilt,
-    no_gradient_sync,
-    parallelize,
-    reshard,
-    untrainable_reason,
-)
-from lightning_fsdp2.precision import PrecisionCore, clip_grad_norm_, convert_stock_precision
-from lightning_fsdp2.strategy import StateDictType
+from lightning_fsdp2.options import StateDictType, StrategyOptions
+from lightning_fsdp2.parallel import Parallelized, check_not_rebuilt, no_gradient_sync, reshard, untrainable_reason
+from lightning_fsdp2.precision import FabricFSDP2Precision as FSDP2Precision
+from lightning_fsdp2.precision import clip_grad_norm_
 from lightning_fsdp2.wrap import ModulePolicy, root_names
 
 __all__ = ["FSDP2Precision", "FSDP2Strategy"]
 
 
-class FSDP2Precision(PrecisionCore, Precision):
-    """Fabric's precision plugin for :class:`FSDP2Strategy`: the same modes as the Trainer's
-    :class:`lightning_fsdp2.FSDP2Precision` (``"32-true"``, ``"bf16-true"``, ``"16-true"``, ``"bf16-mixed"``,
-    ``"16-mixed"``), with Fabric's backward and optimizer-step hooks.
-
-    The strategy swaps the plugin Fabric picked from ``Fabric(precision=...)`` for this one, so users normally never
-    construct it. ``*-true`` stores parameters in that dtype; ``*-mixed`` keeps them fp32 and FSDP2's
-    ``MixedPrecisionPolicy`` computes in the low dtype (no autocast). Under ``"16-mixed"`` the loss is scaled by a
-    ``ShardedGradScaler``, which ``fabric.clip_gradients`` and the optimizer step unscale. ``adapter_dtype``: as for
-    the Trainer's plugin, peft's adapters are stored in fp32 on a ``*-true`` base by default.
-    """
-
-    def pre_backward(self, tensor: Tensor, module: nn.Module | None) -> Tensor:
-        """Scale the loss under ``"16-mixed"``."""
-        return self.scaler.scale(tensor) if self.scaler is not None else tensor
-
-    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
-        """Step; under ``"16-mixed"`` through the scaler, which skips steps whose gradients overflowed on any rank."""
-        if self.scaler is None:
-            return optimizer.step(**kwargs)
-        step_output = self.scaler.step(optimizer, **kwargs)
-        self.scaler.update()
-        return step_output
-
-    def unscale_gradients(self, optimizer: Optimizer) -> None:
-        """Unscale the gradients before clipping under ``"16-mixed"``."""
-        if self.scaler is not None:
-            self.scaler.unscale_(optimizer)
-
-
-class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
+class FSDP2Strategy(FrontEndCore, ParallelStrategy):
     """Fully Sharded Data Parallel with FSDP2 (``fully_shard``) for Lightning Fabric.
 
     Takes the sharding and checkpoint arguments of the Trainer's :class:`lightning_fsdp2.FSDP2Strategy`, with the
@@ -155,29 +117,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
             cluster_environment=cluster_environment,
             precision=precision,
         )
-        self._set_options(
-            sharding=ShardingOptions.from_arguments(
-                auto_wrap_policy=auto_wrap_policy,
-                activation_checkpointing_policy=activation_checkpointing_policy,
-                mixed_precision=mixed_precision,
-                reshard_after_forward=reshard_after_forward,
-                cpu_offload=cpu_offload,
-                device_mesh=device_mesh,
-                activation_checkpointing_every=activation_checkpointing_every,
-                activation_checkpointing_save=activation_checkpointing_save,
-                compile=compile,
-                forward_prefetch=forward_prefetch,
-                backward_prefetch=backward_prefetch,
-                reshard_last_block=reshard_last_block,
-                offload_activations=offload_activations,
-                unmatched_forward_timeout=unmatched_forward_timeout,
-            ),
-            meta_init=meta_init,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            state_dict_type=state_dict_type,
-            save_trainable_only=save_trainable_only,
-        )
+        self._set_options(StrategyOptions.from_arguments(**StrategyOptions.pick(locals())))  # forwarded in one place
         self._num_nodes = 1
         # The modules set up here, and what parallelize did to each (the names it initialized at random).
         self._parallelized: weakref.WeakKeyDictionary[nn.Module, Parallelized] = weakref.WeakKeyDictionary()
@@ -192,16 +132,16 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
                 " lightning_fsdp2.FSDP2Strategy)")
 
     # ---------------------------------------------------------------- Fabric plumbing: processes and devices
-    @property
-    def precision(self) -> FSDP2Precision:
-        """The :class:`FSDP2Precision` in use (Fabric's stock plugins are converted on assignment)."""
-        if not isinstance(self._precision, FSDP2Precision):
-            self._precision = FSDP2Precision()
-        return self._precision
+    _precision_class = FSDP2Precision
+    _strategy_name = "lightning_fsdp2.fabric.FSDP2Strategy"
+    _front_end = "Fabric"
+    precision = precision_property(  # type: ignore[assignment]
+        "_precision", "The :class:`FSDP2Precision` in use (Fabric's stock plugins are converted on assignment)."
+    )
 
-    @precision.setter
-    def precision(self, precision: Precision | None) -> None:
-        self._precision = _as_fsdp2_precision(precision)
+    @staticmethod
+    def _stock_precisions() -> tuple[type, ...]:
+        return (Precision, HalfPrecision, MixedPrecision, DoublePrecision)
 
     @property
     def checkpoint_io(self) -> CheckpointIO:
@@ -239,12 +179,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         """``fabric.init_module()``: parameters on ``meta`` (``empty_init`` not ``False`` and ``meta_init``), buffers
         built for real, the storage dtype set, and ``load_pretrained`` deferred to :meth:`setup_module`. With
         ``empty_init=False`` (or ``meta_init=False``) the model is built for real on the CPU and sharded afterwards."""
-        meta = self._meta_init if empty_init is None else empty_init
-        stack = ExitStack()
-        stack.enter_context(meta_init_context() if meta else nullcontext())
-        stack.enter_context(self._deferred.collecting())
-        stack.enter_context(self.precision.module_init_context())
-        return stack
+        return self._init_context(empty_init, self.precision.module_init_context())
 
     def setup_module(self, module: nn.Module) -> nn.Module:
         """Shard ``module`` in place and give each rank's shards their values (initialization by the model's own
@@ -262,15 +197,9 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
             rank_zero_warn(reason)
         # An optimizer made over these before set-up is re-pointed at the shards in `setup_optimizer`.
         self._originals[module] = [(weakref.ref(p), n) for n, p in module.named_parameters(remove_duplicate=False)]
-        self._parallelized[module] = parallelize(
-            module,
-            self.device_mesh,
-            options=self._sharding,
-            precision=self.precision,
-            device=self.root_device,
-            pretrained=self._deferred.take(module),
-            # Fabric does not say whether the model will be trained: it will if anything in it is trainable.
-            training=any(p.requires_grad for p in module.parameters()),
+        # Fabric does not say whether the model will be trained: it will if anything in it is trainable.
+        self._parallelized[module] = self._parallelize(
+            module, self.precision, training=any(p.requires_grad for p in module.parameters()),
             module_is_root=not isinstance(module, LightningModule),
         )
         if isinstance(module, LightningModule):
@@ -355,10 +284,8 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
             raise TypeError("lightning_fsdp2.fabric.FSDP2Strategy does not take `storage_options`: it uses no CheckpointIO.")
         checkpoint: dict[str, Any] = {}
         tied: dict[str, Mapping[str, str]] = {}
-        # A base stored in NF4 (QLoRA) is frozen and comes from load_pretrained again on resume: never saved.
-        quantized = any(obj in self._parallelized and self._parallelized[obj].quantized for obj in state.values()
-                        if isinstance(obj, nn.Module))
-        trainable_only = self._save_trainable_only or quantized
+        trainable_only = self._trainable_only(*(self._parallelized.get(obj) for obj in state.values()
+                                                if isinstance(obj, nn.Module)))
         for key, obj in state.items():
             if isinstance(obj, nn.Module):
                 value = formats.model_state(obj, trainable_only=trainable_only)
@@ -456,12 +383,6 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
             " `fabric.setup_module(model)` before the optimizer is made."
         )
 
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register as ``"fsdp2"`` in Fabric's strategy registry."""
-        if "fsdp2" not in strategy_registry:
-            strategy_registry.register("fsdp2", cls, description="FSDP2 (fully_shard) from lightning-fsdp2")
-
 
 def _entry_of(module: nn.Module, path: Path) -> str:
     """The entry of a sharded checkpoint that holds ``module``'s tensors (``"model"`` in a Fabric one)."""
@@ -488,11 +409,3 @@ class _NoGradientSync(_BackwardSyncControl):
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         return no_gradient_sync(module, enabled)
-
-
-def _as_fsdp2_precision(plugin: Precision | None) -> FSDP2Precision | None:
-    """Turn the stock plugin Fabric picked from ``Fabric(precision=...)`` into an :class:`FSDP2Precision`."""
-    from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
-
-    stock = (Precision, HalfPrecision, MixedPrecision, DoublePrecision)
-    return convert_stock_precision(plugin, FSDP2Precision, stock, "lightning_fsdp2.fabric.FSDP2Strategy", "Fabric")

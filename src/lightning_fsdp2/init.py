@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_fsdp2.layout import local_slice, shard_coordinate
+
 __all__ = [
     "UninitializedError",
     "check_initialized",
@@ -402,7 +404,6 @@ def peft_dora_rule(module: nn.Module, materialized: set[str]) -> None:
         from peft.tuners.lora.dora import DoraLinearLayer
     except ImportError:
         return
-    from lightning_fsdp2.checkpoint.shards import local_slice  # here: the checkpoint package imports this module
 
     for name, sub in module.named_modules():
         if not isinstance(sub, LoraLayer):
@@ -487,15 +488,14 @@ def _distinct_rng_per_shard(module: nn.Module) -> Generator[None, None, None]:
         if is_rng_supported_mesh(dtensor.device_mesh):
             yield
             return
-        # The coordinate on the shard dimension (the last; the first of an HSDP mesh replicates): ranks holding
-        # the same shard draw the same values, ranks holding different shards different ones.
+        # The rank's coordinate among the tensor's distinct pieces (from its placements: HSDP's replicas share
+        # one): ranks holding the same shard draw the same values, ranks holding different shards different ones.
         # The base seed is rank 0's: without `seed_everything` each process starts from its own random seed, and
         # replicas would then differ.
-        mesh = dtensor.device_mesh
         base = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
         dist.broadcast(base, src=0)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed((int(base) + 7919 * mesh.get_local_rank(mesh.ndim - 1)) % 2**63)
+            torch.manual_seed((int(base) + 7919 * shard_coordinate(dtensor)) % 2**63)
             yield
 
 

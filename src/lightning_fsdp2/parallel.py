@@ -4,21 +4,27 @@ Both strategies call these functions: :class:`lightning_fsdp2.FSDP2Strategy` (th
 :class:`lightning_fsdp2.fabric.FSDP2Strategy` (Fabric's, from ``setup_module``). Everything a step needs arrives as an
 argument and everything it finds out is returned; nothing is stored on the user's modules.
 
-:func:`parallelize` is the sequence, one concern per step:
+:func:`parallelize` is the sequence, one concern per step (torchtitan's shape: each an ``apply_*`` function here or
+in the module named):
 
-1. the precision plugin converts the module (``*-true``: parameters stored in bf16/fp16; on ``meta`` only metadata);
-2. tensors built for real are made the same on every rank (rank 0's), so shards of one tensor fit together;
-3. activation checkpointing on the chosen modules, then ``torch.compile`` of each block (``blocks.py``), before any FSDP
-   hook exists;
-4. ``fully_shard`` bottom-up, then the roots (``wrap.py``); weights loaded with ``quantize="nf4"`` are read whole and
-   quantized just before their group's, one at a time (``quantize.py``), and split by it like any other; the blocks'
-   prefetching set, activation offloading hooked on the roots, and the roots' forwards outside training made to
-   wait for every rank for a bounded time (``lockstep.py``);
-5. each rank materializes its own shards, initializes what no pretrained weights cover (``init.py``), loads the slices
-   of pretrained weights that ``load_pretrained`` declared (``checkpoint/pretrained.py``), derives what depends on
-   them (DoRA magnitudes), then checks nothing was left unset;
-6. ``load_state_dict`` hooks let code written for one device load whole tensors into the shards
+1. :func:`check_can_parallelize`: the refusals, on every rank alike, before anything changes;
+2. the precision plugin converts the module (``*-true``: parameters stored in bf16/fp16; on ``meta`` only metadata);
+3. :func:`broadcast_real_tensors`: tensors built for real are made the same on every rank (rank 0's), so shards of
+   one tensor fit together;
+4. :func:`apply_checkpointing_and_compile`: activation checkpointing, then ``torch.compile`` of each block
+   (``blocks.py``), before any FSDP hook exists;
+5. :func:`apply_fully_shard`: ``fully_shard`` bottom-up, then the roots (``wrap.py``), over the layout's
+   data-parallel mesh; weights loaded with ``quantize="nf4"`` are quantized group by group (``quantize.py``);
+6. ``wrap.schedule_blocks`` (prefetching) and :func:`apply_root_hooks` (activation offloading, the roots' forwards
+   outside training made to wait for every rank for a bounded time: ``lockstep.py``);
+7. :func:`apply_values`: each rank materializes its own shards, initializes what no pretrained weights cover
+   (``init.py``), loads the slices ``load_pretrained`` declared (``checkpoint/pretrained.py``), derives what depends
+   on them (DoRA magnitudes), then checks nothing was left unset;
+8. ``load_state_dict`` hooks let code written for one device load whole tensors into the shards
    (``checkpoint/module_load.py``).
+
+Which ranks hold what comes from the :class:`~lightning_fsdp2.layout.Layout` (named mesh dimensions), and the options
+from :class:`~lightning_fsdp2.options.StrategyOptions` (one object per technique).
 """
 
 from __future__ import annotations
@@ -31,8 +37,8 @@ from typing import Any, Protocol
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
-from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy, OffloadPolicy
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from lightning_fsdp2.checkpoint.module_load import install_load_hooks
 from lightning_fsdp2.checkpoint.pretrained import PendingPretrained
@@ -46,17 +52,16 @@ from lightning_fsdp2.init import (
     meta_tensor_names,
 )
 from lightning_fsdp2.blocks import (
-    SavePolicy,
     apply_activation_checkpointing,
     check_checkpointing_with_compile,
-    check_compile_options,
-    check_save_policy,
     checkpointed_names,
     compile_blocks,
     no_kv_cache_in_training,
     offload_activations,
 )
-from lightning_fsdp2.wrap import ModulePolicy, block_names, fsdp_roots, innermost, schedule_blocks, shard_model
+from lightning_fsdp2.layout import Layout
+from lightning_fsdp2.options import StrategyOptions
+from lightning_fsdp2.wrap import block_names, fsdp_roots, innermost, schedule_blocks, shard_model
 
 
 class ModulePrecision(Protocol):
@@ -65,198 +70,6 @@ class ModulePrecision(Protocol):
     mixed_precision_policy: MixedPrecisionPolicy
 
     def convert_module(self, module: nn.Module) -> nn.Module: ...
-
-
-@dataclass(frozen=True)
-class ShardingOptions:
-    """How a model is sharded: the strategies' arguments of the same names (see :class:`~lightning_fsdp2.FSDP2Strategy`)."""
-
-    auto_wrap_policy: ModulePolicy | None = None
-    activation_checkpointing_policy: ModulePolicy | None = None
-    mixed_precision: MixedPrecisionPolicy | None = None
-    reshard_after_forward: bool | int = True
-    offload_policy: OffloadPolicy | None = None
-    device_mesh: tuple[int, int] | DeviceMesh | None = None
-    """``None``: shard over every rank. ``(replicate, shard)``: HSDP, each parameter sharded over groups of ``shard``
-    ranks and replicated over ``replicate`` such groups. Or a ready 1-D (shard) or 2-D (replicate, shard) mesh."""
-    activation_checkpointing_every: int = 1
-    activation_checkpointing_save: SavePolicy | None = None
-    compile: Mapping[str, Any] | None = None
-    """``torch.compile``'s keyword arguments for each block, or ``None``: not compiled."""
-    forward_prefetch: int = 0
-    backward_prefetch: int = 1
-    reshard_last_block: bool = True
-    offload_activations: bool = False
-    unmatched_forward_timeout: float | None = 60.0
-    """Seconds a forward outside training waits for every rank to run it too (``None``: not checked)."""
-
-    @classmethod
-    def from_arguments(
-        cls,
-        *,
-        auto_wrap_policy: ModulePolicy | None,
-        activation_checkpointing_policy: ModulePolicy | None,
-        mixed_precision: MixedPrecisionPolicy | None,
-        reshard_after_forward: bool | int,
-        cpu_offload: bool | OffloadPolicy,
-        device_mesh: tuple[int, int] | DeviceMesh | None = None,
-        activation_checkpointing_every: int = 1,
-        activation_checkpointing_save: SavePolicy | None = None,
-        compile: bool | Mapping[str, Any] = False,
-        forward_prefetch: int = 0,
-        backward_prefetch: int = 1,
-        reshard_last_block: bool = True,
-        offload_activations: bool = False,
-        unmatched_forward_timeout: float | None = 60.0,
-    ) -> ShardingOptions:
-        """The options from a strategy's arguments (``cpu_offload=True`` is FSDP2's ``CPUOffloadPolicy()``,
-        ``compile=True`` is ``torch.compile``'s defaults), checked: a wrong one raises here, at construction."""
-        offload = cpu_offload if isinstance(cpu_offload, OffloadPolicy) else (CPUOffloadPolicy() if cpu_offload else None)
-        if device_mesh is not None and not isinstance(device_mesh, DeviceMesh):
-            if not (isinstance(device_mesh, (tuple, list)) and len(device_mesh) == 2
-                    and all(_positive_int(n) for n in device_mesh)):
-                raise TypeError(
-                    f"FSDP2Strategy(device_mesh={device_mesh!r}): pass a tuple (replicate, shard) of two positive ints"
-                    " (HSDP: each parameter sharded over `shard` ranks, replicated `replicate` times; their product is"
-                    " the number of processes), a DeviceMesh, or None to shard over every process."
-                )
-            device_mesh = (device_mesh[0], device_mesh[1])
-        if not _positive_int(activation_checkpointing_every):
-            raise ValueError(
-                f"FSDP2Strategy(activation_checkpointing_every={activation_checkpointing_every!r}): a positive int, n"
-                " to checkpoint every n-th module activation_checkpointing_policy selects (1: all of them)."
-            )
-        check_save_policy(activation_checkpointing_save)
-        if activation_checkpointing_policy is None and (
-            activation_checkpointing_every != 1 or activation_checkpointing_save is not None
-        ):
-            raise ValueError(
-                "FSDP2Strategy(activation_checkpointing_every=..., activation_checkpointing_save=...) choose among the"
-                " modules activation_checkpointing_policy selects, and none is given: pass it too, e.g."
-                " activation_checkpointing_policy={LlamaDecoderLayer}."
-            )
-        if not isinstance(compile, (bool, Mapping)):
-            raise TypeError(
-                f"FSDP2Strategy(compile={compile!r}): pass True, a dict of torch.compile's keyword arguments, or False"
-                " (the default: not compiled)."
-            )
-        options = None if compile is False else ({} if compile is True else dict(compile))
-        if options is not None:
-            check_compile_options(options)
-        if not (_int_at_least(forward_prefetch, 0) and _int_at_least(backward_prefetch, 1)):
-            raise ValueError(
-                f"FSDP2Strategy(forward_prefetch={forward_prefetch!r}, backward_prefetch={backward_prefetch!r}): how many"
-                " blocks ahead to start all-gathering, an int >= 0 in forward and >= 1 in backward (0 and 1 are FSDP2's"
-                " own schedule)."
-            )
-        for name, flag in (("reshard_last_block", reshard_last_block), ("offload_activations", offload_activations)):
-            if not isinstance(flag, bool):
-                raise TypeError(f"FSDP2Strategy({name}={flag!r}): pass True or False.")
-        if unmatched_forward_timeout is not None and not (
-            isinstance(unmatched_forward_timeout, (int, float)) and not isinstance(unmatched_forward_timeout, bool)
-            and unmatched_forward_timeout > 0
-        ):
-            raise ValueError(
-                f"FSDP2Strategy(unmatched_forward_timeout={unmatched_forward_timeout!r}): seconds (> 0) a forward outside"
-                " training waits for every rank to run it too, or None to turn the check off."
-            )
-        return cls(auto_wrap_policy, activation_checkpointing_policy, mixed_precision, reshard_after_forward, offload,
-                   device_mesh, activation_checkpointing_every, activation_checkpointing_save, options,
-                   forward_prefetch, backward_prefetch, reshard_last_block, offload_activations,
-                   unmatched_forward_timeout)
-
-    def check(self, world_size: int, device: torch.device, devices_per_node: int) -> None:
-        """Raise, on every rank alike, for options that cannot work at this world size or on this device."""
-        if self.offload_policy is not None and device.type == "cpu":
-            raise ValueError(
-                "FSDP2Strategy(cpu_offload=True) moves parameters from an accelerator to CPU memory, but this run is"
-                " already on the CPU. Remove `cpu_offload`, or train on GPUs (`accelerator='cuda'`)."
-            )
-        if self.offload_activations and device.type != "cuda":
-            raise ValueError(
-                f"FSDP2Strategy(offload_activations=True) moves the activations saved for backward from the GPU to CPU"
-                f" memory, but this run is on {device.type!r}, where they are in CPU memory already. Remove"
-                " `offload_activations`, or train on GPUs (`accelerator='cuda'`)."
-            )
-        shard = self.check_mesh(world_size, devices_per_node, device)
-        resharded = self.reshard_after_forward
-        if not isinstance(resharded, bool) and not (1 < resharded < shard and shard % resharded == 0):
-            divisors = [d for d in range(2, shard) if shard % d == 0]
-            if not divisors:
-                raise ValueError(
-                    f"FSDP2Strategy(reshard_after_forward={resharded}) with parameters sharded over {shard} ranks: an"
-                    f" int is the size of smaller groups to reshard to after forward, and {shard} ranks have none"
-                    f" (no divisor of {shard} other than 1 and itself). Use True (free after forward) or False (keep"
-                    " to backward)."
-                )
-            raise ValueError(
-                f"FSDP2Strategy(reshard_after_forward={resharded}) with parameters sharded over {shard} ranks: an int"
-                f" is the size of the groups parameters are resharded to after forward, a divisor of {shard} other"
-                f" than 1 and {shard} (those are reshard_after_forward=False and True)."
-            )
-
-    def check_mesh(self, world_size: int, devices_per_node: int, device: torch.device | None = None) -> int:
-        """Raise for a mesh that does not fit the processes; return the size of the shard groups."""
-        mesh = self.device_mesh
-        if mesh is None:
-            return world_size
-        if isinstance(mesh, DeviceMesh):
-            # Full checkpoints are gathered to rank 0 from the shard group of the first replica, pieces in rank order:
-            # the ranks must be laid out in order (what init_device_mesh makes), rank 0 first.
-            if mesh.ndim not in (1, 2) or mesh.mesh.flatten().tolist() != list(range(world_size)):
-                raise ValueError(
-                    f"FSDP2Strategy(device_mesh=...) got a {mesh.ndim}-D mesh of ranks {mesh.mesh.tolist()}; it must be"
-                    f" 1-D (shard) or 2-D (replicate, shard) over all {world_size} processes in rank order, as"
-                    f" `init_device_mesh(device_type, (replicate, shard))` makes it, or pass the tuple (replicate, shard)."
-                )
-            if device is not None and mesh.device_type != device.type:
-                raise ValueError(
-                    f"FSDP2Strategy(device_mesh=...) got a {mesh.device_type!r} mesh for a run on {device.type!r}:"
-                    f" build it with init_device_mesh({device.type!r}, ...), or pass the tuple (replicate, shard)."
-                )
-            return mesh.size(mesh.ndim - 1)
-        replicate, shard = mesh
-        if replicate * shard != world_size:
-            raise ValueError(
-                f"FSDP2Strategy(device_mesh=({replicate}, {shard})): {replicate} x {shard} = {replicate * shard}, but"
-                f" there are {world_size} processes (devices x num_nodes). Choose (replicate, shard) with"
-                f" replicate x shard = {world_size}, e.g. shard = the devices per node ({devices_per_node}) and"
-                f" replicate = the number of nodes."
-            )
-        # A shard group gathers every parameter in every step: inside one node (or over whole nodes) its traffic
-        # stays off, or evenly on, the slow link between nodes. A group that straddles node boundaries unevenly is
-        # almost always a mistake in the numbers.
-        if replicate > 1 and devices_per_node % shard and shard % devices_per_node:
-            raise ValueError(
-                f"FSDP2Strategy(device_mesh=({replicate}, {shard})): shard groups of {shard} ranks straddle nodes of"
-                f" {devices_per_node} devices. Make `shard` divide the devices per node (HSDP's usual layout: shard ="
-                f" {devices_per_node}, one shard group per node) or a multiple of it (groups of whole nodes)."
-            )
-        return shard
-
-    def build_mesh(self, device_type: str, world_size: int) -> DeviceMesh:
-        """The mesh parameters are sharded on (after :meth:`check`): 1-D ``("shard",)``, or 2-D
-        ``("replicate", "shard")`` for HSDP, whose shard groups are consecutive ranks (the devices of one node)."""
-        mesh = self.device_mesh
-        if isinstance(mesh, DeviceMesh):
-            return mesh
-        if mesh is None:
-            return init_device_mesh(device_type, (world_size,), mesh_dim_names=("shard",))
-        return init_device_mesh(device_type, mesh, mesh_dim_names=("replicate", "shard"))
-
-
-def _int_at_least(n: Any, low: int) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n >= low
-
-
-def _positive_int(n: Any) -> bool:
-    return _int_at_least(n, 1)
-
-
-def shard_group_size(mesh: DeviceMesh) -> int:
-    """How many ranks each parameter is split over: the last dimension of the mesh (FSDP2's HSDP replicates over the
-    first of a 2-D mesh)."""
-    return mesh.size(mesh.ndim - 1)
 
 
 @dataclass
@@ -276,7 +89,8 @@ def parallelize(
     module: nn.Module,
     mesh: DeviceMesh,
     *,
-    options: ShardingOptions,
+    layout: Layout,
+    options: StrategyOptions,
     precision: ModulePrecision,
     device: torch.device,
     pretrained: PendingPretrained,
@@ -285,40 +99,74 @@ def parallelize(
 ) -> Parallelized:
     """Convert, checkpoint, shard, materialize and initialize ``module`` in place, on every rank.
 
-    ``pretrained``: the deferred ``load_pretrained``/``load_adapter`` calls to run once the shards exist (planned
-    before this call, so that a checkpoint that does not fit fails before anything is allocated). ``training``: the
-    model will be trained (peft methods that cannot be trained sharded are refused). ``module_is_root``: the front-end
-    calls ``module`` itself (Fabric), so it is the FSDP root; otherwise its children are (the Trainer's
-    ``LightningModule``, whose steps call ``self.model``; see :func:`wrap.shard_model`).
+    ``mesh``: ``layout``'s device mesh. ``pretrained``: the deferred ``load_pretrained``/``load_adapter`` calls to run
+    once the shards exist (planned before this call, so that a checkpoint that does not fit fails before anything is
+    allocated). ``training``: the model will be trained (peft methods that cannot be trained sharded are refused).
+    ``module_is_root``: the front-end calls ``module`` itself (Fabric), so it is the FSDP root; otherwise its children
+    are (the Trainer's ``LightningModule``, whose steps call ``self.model``; see :func:`wrap.shard_model`).
     """
+    check_can_parallelize(module, training)
+    module = precision.convert_module(module)
+    broadcast_real_tensors(module, device)
+    blocks = innermost(block_names(module, options.shard.auto_wrap_policy))
+    apply_checkpointing_and_compile(module, blocks, options)
+    quantized = apply_fully_shard(module, layout.fsdp_mesh(mesh), layout, options, precision, pretrained, device,
+                                  module_is_root)
+    schedule_blocks(module, blocks, forward=options.prefetch.forward, backward=options.prefetch.backward,
+                    reshard_last=options.prefetch.reshard_last_block)
+    apply_root_hooks(module, options)
+    initialized = apply_values(module, options, pretrained, device)
+    install_load_hooks(module)  # module.load_state_dict of whole tensors from here on (code written for one device)
+    return Parallelized(initialized=frozenset(initialized), quantized=frozenset(quantized))
+
+
+def check_can_parallelize(module: nn.Module, training: bool) -> None:
+    """Refuse, on every rank alike (all built the same model), what cannot be set up: FSDP1-wrapped or already
+    sharded modules, a model without parameters, nothing trainable for training, peft methods that cannot run
+    sharded."""
     check_no_fsdp1(module)
     check_not_sharded_already(module)
     check_built(module)
     if training:
         check_trainable(module)
     check_peft_supported(module, training=training)
-    module = precision.convert_module(module)
-    broadcast_real_tensors(module, device)
-    blocks = innermost(block_names(module, options.auto_wrap_policy))
-    compiled = blocks if options.compile is not None else []
-    if options.compile is not None and not blocks:
+
+
+def apply_checkpointing_and_compile(module: nn.Module, blocks: list[str], options: StrategyOptions) -> None:
+    """Activation checkpointing on the chosen modules, then ``torch.compile`` of each block (``blocks.py``), before
+    any FSDP hook exists."""
+    compile_kwargs = options.compile.kwargs
+    compiled = blocks if compile_kwargs is not None else []
+    if compile_kwargs is not None and not blocks:
         raise ValueError(
             "FSDP2Strategy(compile=...) compiles the blocks auto_wrap_policy selects, and it selected none in"
             f" {type(module).__name__}. Name the repeated block class: auto_wrap_policy={{DecoderLayerClass}}."
         )
-    checkpointed = []
-    if options.activation_checkpointing_policy is not None:
-        checkpointed = checkpointed_names(module, options.activation_checkpointing_policy,
-                                          options.activation_checkpointing_every)
+    ac = options.checkpointing
+    checkpointed = checkpointed_names(module, ac.policy, ac.every) if ac.policy is not None else []
     if compiled:
         check_checkpointing_with_compile(checkpointed, compiled)
-        compile_blocks(module, compiled, options.compile, checkpointed, options.activation_checkpointing_save)
+        compile_blocks(module, compiled, compile_kwargs, checkpointed, ac.save)
     elif checkpointed:
-        apply_activation_checkpointing(module, checkpointed, options.activation_checkpointing_save)
+        apply_activation_checkpointing(module, checkpointed, ac.save)
     no_kv_cache_in_training(module, checkpointed + compiled)
+
+
+def apply_fully_shard(
+    module: nn.Module,
+    mesh: DeviceMesh,
+    layout: Layout,
+    options: StrategyOptions,
+    precision: ModulePrecision,
+    pretrained: PendingPretrained,
+    device: torch.device,
+    module_is_root: bool,
+) -> set[str]:
+    """``fully_shard`` bottom-up, then the roots (``wrap.py``), over ``mesh`` (the layout's data-parallel part);
+    return the names of the weights stored in NF4."""
     # QLoRA: the weights declared with quantize="nf4" become whole NF4 tensors just before the fully_shard of their
     # group, which splits them: beyond its shards a rank holds one group's whole NF4 weights, never the whole base.
-    shards = shard_group_size(mesh)
+    shards = layout.shard_size
     pretrained.check_quantize(module, shards)
     quantized: set[str] = set()
     alone = None
@@ -332,25 +180,38 @@ def parallelize(
     def quantize_group(name: str, group: nn.Module) -> None:
         quantized.update(pretrained.quantize(module, within=name, device=device))
 
+    shard = options.shard
     shard_model(
         module,
         mesh,
-        options.auto_wrap_policy,
-        mp_policy=options.mixed_precision or precision.mixed_precision_policy,
-        offload_policy=options.offload_policy,
-        reshard_after_forward=options.reshard_after_forward,
+        shard.auto_wrap_policy,
+        mp_policy=shard.mixed_precision or precision.mixed_precision_policy,
+        offload_policy=shard.offload_policy,
+        reshard_after_forward=shard.reshard_after_forward,
         model_is_root=module_is_root,
         ignored_params=alone,
         before_group=quantize_group,
     )
-    schedule_blocks(module, blocks, forward=options.forward_prefetch, backward=options.backward_prefetch,
-                    reshard_last=options.reshard_last_block)
+    return quantized
+
+
+def apply_root_hooks(module: nn.Module, options: StrategyOptions) -> None:
+    """On the FSDP roots: activation offloading, and forwards outside training made to wait for every rank for a
+    bounded time (``lockstep.py``)."""
     roots = [module.get_submodule(name) for name in fsdp_roots(module)]
-    if options.offload_activations:
+    if options.offload_activations.enabled:
         offload_activations(roots)
-    guard_forwards(roots, options.unmatched_forward_timeout)
+    guard_forwards(roots, options.forward_check.timeout)
+
+
+def apply_values(
+    module: nn.Module, options: StrategyOptions, pretrained: PendingPretrained, device: torch.device
+) -> list[str]:
+    """Each rank materializes its own shards, initializes what no pretrained weights cover (``init.py``), loads the
+    slices ``load_pretrained`` declared (``checkpoint/pretrained.py``), derives what depends on them (DoRA
+    magnitudes), then checks nothing was left unset; return the names initialized by the init rules."""
     # Offloaded shards live in CPU memory; FSDP2 copies them to the device when it gathers them.
-    storage = torch.device("cpu") if options.offload_policy is not None else device
+    storage = torch.device("cpu") if options.shard.offload_policy is not None else device
     loaded = pretrained.covered
     materialized = materialize_module(module, storage, buffer_device=device, to_load=loaded)
     # Tensors that pretrained weights overwrite are neither initialized nor checked for the NaN sentinel: every
@@ -360,8 +221,7 @@ def parallelize(
     pretrained.run(module)
     initialize_from_loaded(module, to_initialize)  # DoRA magnitudes: norms of the loaded base weights
     check_initialized(module, to_initialize, device)
-    install_load_hooks(module)  # module.load_state_dict of whole tensors from here on (code written for one device)
-    return Parallelized(initialized=frozenset(to_initialize), quantized=frozenset(quantized))
+    return to_initialize
 
 
 @torch.no_grad()

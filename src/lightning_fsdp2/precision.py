@@ -18,6 +18,7 @@ from typing import Any, Literal, cast, get_args
 
 import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.fabric.plugins.precision import Precision as FabricPrecision
 from lightning.pytorch.plugins.precision.precision import Precision
 from lightning_utilities import apply_to_collection
 from torch import Tensor
@@ -204,6 +205,37 @@ class FSDP2Precision(PrecisionCore, Precision):
     def clip_grad_by_norm(self, optimizer: Optimizer, clip_val: int | float) -> None:
         """Clip by the norm of the *whole* gradient, not of this rank's shard (see :func:`clip_grad_norm_`)."""
         clip_grad_norm_(self.main_params(optimizer), clip_val)
+
+
+class FabricFSDP2Precision(PrecisionCore, FabricPrecision):
+    """Fabric's precision plugin for :class:`lightning_fsdp2.fabric.FSDP2Strategy` (imported from there as
+    ``lightning_fsdp2.fabric.FSDP2Precision``): the same modes as the Trainer's
+    :class:`lightning_fsdp2.FSDP2Precision` (``"32-true"``, ``"bf16-true"``, ``"16-true"``, ``"bf16-mixed"``,
+    ``"16-mixed"``), with Fabric's backward and optimizer-step hooks.
+
+    The strategy swaps the plugin Fabric picked from ``Fabric(precision=...)`` for this one, so users normally never
+    construct it. ``*-true`` stores parameters in that dtype; ``*-mixed`` keeps them fp32 and FSDP2's
+    ``MixedPrecisionPolicy`` computes in the low dtype (no autocast). Under ``"16-mixed"`` the loss is scaled by a
+    ``ShardedGradScaler``, which ``fabric.clip_gradients`` and the optimizer step unscale. ``adapter_dtype``: as for
+    the Trainer's plugin, peft's adapters are stored in fp32 on a ``*-true`` base by default.
+    """
+
+    def pre_backward(self, tensor: Tensor, module: Module | None) -> Tensor:  # type: ignore[override]
+        """Scale the loss under ``"16-mixed"``."""
+        return self.scaler.scale(tensor) if self.scaler is not None else tensor
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """Step; under ``"16-mixed"`` through the scaler, which skips steps whose gradients overflowed on any rank."""
+        if self.scaler is None:
+            return optimizer.step(**kwargs)
+        step_output = self.scaler.step(optimizer, **kwargs)
+        self.scaler.update()
+        return step_output
+
+    def unscale_gradients(self, optimizer: Optimizer) -> None:
+        """Unscale the gradients before clipping under ``"16-mixed"``."""
+        if self.scaler is not None:
+            self.scaler.unscale_(optimizer)
 
 
 @torch.no_grad()

@@ -1,17 +1,11 @@
 """``FSDP2Strategy``: the Lightning strategy that runs a ``LightningModule`` sharded with FSDP2 ``fully_shard``.
 
-This module only orchestrates. The model's road through ``setup`` is, in order (see :meth:`FSDP2Strategy.parallelize`):
-
-1. ``configure_model`` runs under :meth:`tensor_init_context`: parameters on ``meta``, storage dtype set;
-2. the precision plugin converts the module (``*-true``: parameters stored in bf16/fp16);
-3. activation checkpointing on the chosen modules (``wrap.py``), before any FSDP hook exists;
-4. ``fully_shard`` bottom-up, then the root (``wrap.py``);
-5. each rank materializes its own shards, initializes what no pretrained weights cover, loads the slices of
-   pretrained weights that ``load_pretrained`` declared (``checkpoint/pretrained.py``), derives what depends on them
-   (DoRA magnitudes), then checks nothing was left unset (``init.py``);
-6. the optimizer is created over the sharded ``DTensor`` parameters (Lightning's ``setup_optimizers``).
-
-Checkpoints are saved and loaded by ``checkpoint/formats.py``, in the format ``state_dict_type`` names.
+This module holds the Trainer's plumbing only: its hooks, launcher and checkpoint entry points. The model's road
+through ``setup`` is :func:`lightning_fsdp2.parallel.parallelize` (shared with Fabric's strategy, through
+``_frontend.py``): ``configure_model`` runs under :meth:`FSDP2Strategy.tensor_init_context` (parameters on ``meta``,
+storage dtype set), then ``setup`` converts, checkpoints, shards, materializes and loads the model, and Lightning's
+``setup_optimizers`` makes the optimizers over the sharded ``DTensor`` parameters. Checkpoints are saved and loaded by
+``checkpoint/formats.py``, in the format ``state_dict_type`` names.
 """
 
 from __future__ import annotations
@@ -19,7 +13,7 @@ from __future__ import annotations
 import os
 import weakref
 from collections.abc import Generator, Mapping
-from contextlib import contextmanager, nullcontext
+from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Literal
@@ -29,7 +23,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchChec
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -40,33 +34,25 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from torch.optim import Optimizer
 
-from lightning_fsdp2._processes import ProcessesMixin
+from lightning_fsdp2._frontend import FrontEndCore, precision_property
 from lightning_fsdp2.blocks import SavePolicy
 from lightning_fsdp2.checkpoint import formats as ckpt
 from lightning_fsdp2.checkpoint.files import remove as remove_checkpoint
 from lightning_fsdp2.checkpoint.module_load import install_optimizer_load_hook
 from lightning_fsdp2.checkpoint.plan import tied_aliases
 from lightning_fsdp2.checkpoint.stream import sharded_entries
-from lightning_fsdp2.init import meta_init_context
-from lightning_fsdp2.parallel import (
-    Parallelized,
-    ShardingOptions,
-    check_not_rebuilt,
-    no_gradient_sync,
-    parallelize,
-)
-from lightning_fsdp2.precision import FSDP2Precision, convert_stock_precision
+from lightning_fsdp2.options import StateDictType, StrategyOptions
+from lightning_fsdp2.parallel import Parallelized, check_not_rebuilt, no_gradient_sync
+from lightning_fsdp2.precision import FSDP2Precision
 from lightning_fsdp2.wrap import ModulePolicy
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
-StateDictType = Literal["full", "sharded"]
-"""How checkpoints are saved: one file from rank 0, or a directory of every rank's shards."""
 
 
-class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
+class FSDP2Strategy(FrontEndCore, ParallelStrategy):
     """Fully Sharded Data Parallel with PyTorch's FSDP2 (``torch.distributed.fsdp.fully_shard``).
 
     The user's ``LightningModule`` builds its network in ``configure_model``; the strategy builds it on ``meta``,
@@ -176,38 +162,11 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         )
         if start_method not in ("popen", "spawn", "fork", "forkserver"):
             raise ValueError(f"start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got {start_method!r}.")
-        self._set_options(
-            sharding=ShardingOptions.from_arguments(
-                auto_wrap_policy=auto_wrap_policy,
-                activation_checkpointing_policy=activation_checkpointing_policy,
-                mixed_precision=mixed_precision,
-                reshard_after_forward=reshard_after_forward,
-                cpu_offload=cpu_offload,
-                device_mesh=device_mesh,
-                activation_checkpointing_every=activation_checkpointing_every,
-                activation_checkpointing_save=activation_checkpointing_save,
-                compile=compile,
-                forward_prefetch=forward_prefetch,
-                backward_prefetch=backward_prefetch,
-                reshard_last_block=reshard_last_block,
-                offload_activations=offload_activations,
-                unmatched_forward_timeout=unmatched_forward_timeout,
-            ),
-            meta_init=meta_init,
-            process_group_backend=process_group_backend,
-            timeout=timeout,
-            state_dict_type=state_dict_type,
-            save_trainable_only=save_trainable_only,
-        )
-        if async_save and state_dict_type != "sharded":
-            raise ValueError(
-                "FSDP2Strategy(async_save=True) writes sharded checkpoints in the background; a full checkpoint is"
-                " gathered to rank 0 while it is written. Pass state_dict_type='sharded' as well, or drop async_save."
-            )
+        arguments = StrategyOptions.pick(locals())  # every option argument, forwarded in one place
+        self._set_options(StrategyOptions.from_arguments(**arguments))
         if start_method in ("spawn", "forkserver"):
-            _check_picklable(self._sharding, start_method)
+            _check_picklable(arguments, start_method)
         self._start_method = start_method
-        self._async_save = async_save
         self._background: ckpt.BackgroundWriter | None = None  # made in setup_environment (it makes a process group)
         self._failed = False  # an exception ended the run: teardown must not wait for the other ranks
         self._parallelized: Parallelized | None = None  # what parallelize did to the LightningModule
@@ -221,16 +180,16 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
                 " lightning_fsdp2.fabric.FSDP2Strategy)")
 
     # ---------------------------------------------------------------- Lightning plumbing: processes and devices
-    @property
-    def precision_plugin(self) -> FSDP2Precision:
-        """The :class:`FSDP2Precision` in use (Lightning's stock plugins are converted on assignment)."""
-        if not isinstance(self._precision_plugin, FSDP2Precision):
-            self._precision_plugin = FSDP2Precision()
-        return self._precision_plugin
+    _precision_class = FSDP2Precision
+    _strategy_name = "FSDP2Strategy"
+    _front_end = "Trainer"
+    precision_plugin = precision_property(  # type: ignore[assignment]
+        "_precision_plugin", "The :class:`FSDP2Precision` in use (Lightning's stock plugins are converted on assignment)."
+    )
 
-    @precision_plugin.setter
-    def precision_plugin(self, plugin: Precision | None) -> None:
-        self._precision_plugin = _as_fsdp2_precision(plugin)
+    @staticmethod
+    def _stock_precisions() -> tuple[type, ...]:
+        return (Precision, HalfPrecision, MixedPrecision, DoublePrecision)
 
     @property
     def is_distributed(self) -> bool:
@@ -254,7 +213,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         """Start the process group and build the device mesh."""
         self._refuse_unsupported_callbacks()
         self._start_processes()
-        if self._async_save and self._background is None:
+        if self._options.save.async_save and self._background is None:
             self._background = ckpt.BackgroundWriter()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # as ModelParallelStrategy: visible in configure_model
@@ -282,9 +241,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         """Where ``configure_model`` runs: parameters on ``meta`` (unless ``meta_init=False``), storage dtype set."""
-        meta = self._meta_init if empty_init is None else empty_init
-        with meta_init_context() if meta else nullcontext(), self._deferred.collecting(), \
-                self.precision_plugin.tensor_init_context():
+        with self._init_context(empty_init, self.precision_plugin.tensor_init_context()):
             yield
 
     def setup(self, trainer: pl.Trainer) -> None:
@@ -311,15 +268,8 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
             check_not_rebuilt(module)
             return module
         trainer = getattr(module, "_trainer", None)
-        self._parallelized = parallelize(
-            module,
-            self.device_mesh,
-            options=self._sharding,
-            precision=self.precision_plugin,
-            device=self.root_device,
-            pretrained=self._deferred.take(module),
-            training=trainer is not None and trainer.state.fn == TrainerFn.FITTING,
-        )
+        training = trainer is not None and trainer.state.fn == TrainerFn.FITTING
+        self._parallelized = self._parallelize(module, self.precision_plugin, training=training)
         self._parallelized_module = weakref.ref(module)
         return module
 
@@ -391,7 +341,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         """The model's state dict with clean names, as each rank's ``DTensor`` shards; a full save gathers them to
         rank 0 while it writes the file (so rank 0 never holds the whole model)."""
         assert self.model is not None
-        return ckpt.model_state(self.model, trainable_only=self._trainable_only)
+        return ckpt.model_state(self.model, trainable_only=self._trainable_only(self._parallelized))
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state as shards: index-keyed as a single device writes it (``"full"``) or name-keyed."""
@@ -407,7 +357,8 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         does): the shards come from all of them."""
         assert self.model is not None
         self.wait_for_checkpoint()  # one save at a time: the previous one is complete (and in place) first
-        if self._trainable_only:  # also in what callbacks put there (weight averaging's two state dicts)
+        trainable_only = self._trainable_only(self._parallelized)
+        if trainable_only:  # also in what callbacks put there (weight averaging's two state dicts)
             frozen = {n for n, p in self.lightning_module.named_parameters(remove_duplicate=False) if not p.requires_grad}
             for key in ("state_dict", *sharded_entries(checkpoint)):
                 if isinstance(checkpoint.get(key), Mapping):
@@ -416,7 +367,7 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
             checkpoint,
             self.broadcast(str(filepath)),  # every rank writes to rank 0's path
             sharded=self._sharded,
-            trainable_only=self._trainable_only,
+            trainable_only=trainable_only,
             world_size=self.world_size,
             checkpoint_io=self.checkpoint_io,
             storage_options=storage_options,
@@ -431,11 +382,6 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         # script ends: save synchronously there.
         trainer = getattr(self.lightning_module, "_trainer", None)
         return not self._torn_down and trainer is not None and trainer.state.status == TrainerStatus.RUNNING
-
-    @property
-    def _trainable_only(self) -> bool:
-        # A base stored in NF4 (QLoRA) is frozen and comes from load_pretrained again on resume: never saved.
-        return self._save_trainable_only or bool(self._parallelized is not None and self._parallelized.quantized)
 
     def wait_for_checkpoint(self) -> None:
         """Wait until a checkpoint being written in the background (``async_save``) is complete and in place; raise
@@ -473,12 +419,6 @@ class FSDP2Strategy(ProcessesMixin, ParallelStrategy):
         """Load each optimizer's state into its sharded state, at any world size."""
         assert self.model is not None
         ckpt.load_optimizers(self.model, self.optimizers, checkpoint)
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        """Register as ``"fsdp2"`` in Lightning's ``StrategyRegistry``."""
-        if "fsdp2" not in strategy_registry:
-            strategy_registry.register("fsdp2", cls, description="FSDP2 (fully_shard) from lightning-fsdp2")
 
 
 class _ShardedMultiProcessingLauncher(_MultiProcessingLauncher):
@@ -554,29 +494,19 @@ def _load_trained_in_main_process(module: pl.LightningModule, state: dict[str, A
     module.load_state_dict(state, strict=False)
 
 
-def _check_picklable(options: ShardingOptions, start_method: str) -> None:
+def _check_picklable(arguments: Mapping[str, Any], start_method: str) -> None:
     """``start_method="spawn"``/``"forkserver"`` pickle the strategy into each new process: refuse now, at
     construction, an option that cannot be pickled (ATen operator sets do not), rather than when ``fit`` starts."""
-    import dataclasses
     import pickle
 
-    for field in dataclasses.fields(options):
-        value = getattr(options, field.name)
+    for name, value in arguments.items():
         try:
             pickle.dumps(value)
         except Exception as err:  # noqa: BLE001 - pickle raises several types
             hint = ' Pass activation_checkpointing_save="matmuls" (matrix multiplications and attention kernels, chosen by name in each process).' if (
-                field.name == "activation_checkpointing_save") else ""
+                name == "activation_checkpointing_save") else ""
             raise ValueError(
-                f"FSDP2Strategy({field.name}={value!r}) cannot be pickled ({err}), and start_method={start_method!r}"
+                f"FSDP2Strategy({name}={value!r}) cannot be pickled ({err}), and start_method={start_method!r}"
                 f" pickles the strategy into each process it starts.{hint} Or use start_method='popen' (the default,"
                 " which re-runs the script) or 'fork'."
             ) from None
-
-
-def _as_fsdp2_precision(plugin: Precision | None) -> FSDP2Precision | None:
-    """Turn the stock plugin Lightning picked from ``Trainer(precision=...)`` into an :class:`FSDP2Precision`."""
-    from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision
-
-    stock = (Precision, HalfPrecision, MixedPrecision, DoublePrecision)
-    return convert_stock_precision(plugin, FSDP2Precision, stock, "FSDP2Strategy", "Trainer")

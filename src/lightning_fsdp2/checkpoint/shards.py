@@ -1,46 +1,23 @@
-"""Moving values between whole tensors and FSDP2 shards: a rank's slice in, whole tensors out to rank 0."""
+"""Moving values between whole tensors and FSDP2 shards: a rank's slice in, whole tensors out to rank 0.
+
+Which ranks hold which piece comes from each tensor's own placements (:mod:`lightning_fsdp2.layout`), not from the
+position of a mesh dimension."""
 
 from __future__ import annotations
 
 import math
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, Literal
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_fsdp2.checkpoint.sources import TensorSource
+from lightning_fsdp2.layout import local_slice, split_dims
 
-
-def local_slice(tensor: Tensor) -> tuple[slice, ...]:
-    """The slice of the whole tensor that this rank's local piece of ``tensor`` holds (all of it if not a DTensor).
-
-    FSDP2 shards a parameter along one dimension in ``torch.chunk`` pieces: rank ``r`` holds rows
-    ``[r * ceil(n / world), ...)``, and the last ranks may hold fewer rows or none.
-    """
-    from torch.distributed.tensor import DTensor
-
-    index = [slice(0, n) for n in tensor.shape]
-    if not isinstance(tensor, DTensor):
-        return tuple(index)
-    for mesh_dim, placement in enumerate(tensor.placements):
-        if placement.is_replicate():
-            continue
-        if not placement.is_shard():
-            raise NotImplementedError(f"Loading into a DTensor placed as {placement} is not supported.")
-        dim = placement.dim  # type: ignore[attr-defined]
-        size, parts = tensor.shape[dim], tensor.device_mesh.size(mesh_dim)
-        chunk = math.ceil(size / parts)
-        start = min(tensor.device_mesh.get_local_rank(mesh_dim) * chunk, size)
-        index[dim] = slice(start, min(start + chunk, size))
-    local_shape = tuple(s.stop - s.start for s in index)
-    if local_shape != tuple(tensor.to_local().shape):
-        raise NotImplementedError(
-            f"Unexpected shard layout {tensor.placements} (local shape {tuple(tensor.to_local().shape)}, computed"
-            f" {local_shape}); only FSDP2's even chunking along one dimension is supported."
-        )
-    return tuple(index)
+__all__ = ["copy_into", "drain_tensor", "gather_tensor", "gather_tensor_into", "gather_to_rank0", "local_slice",
+           "receive_bytes"]
 
 
 @torch.no_grad()
@@ -71,7 +48,7 @@ def gather_to_rank0(state: Any, same_as: Mapping[str, str] | None = None) -> Any
 
     def walk(value: Any) -> Any:
         if isinstance(value, Tensor):
-            return gather_tensor(value, rank0)
+            return gather_tensor(value)
         if isinstance(value, Mapping):
             return {k: walk(v) for k, v in value.items()}
         if isinstance(value, (list, tuple)):
@@ -86,31 +63,43 @@ def gather_to_rank0(state: Any, same_as: Mapping[str, str] | None = None) -> Any
     return gathered if rank0 else {}
 
 
-def gather_tensor(
-    tensor: Tensor, rank0: bool, copy: bool = True, discard: bool = False, scratch: Tensor | None = None
-) -> Tensor | None:
-    """The whole of ``tensor`` (a ``DTensor`` or a plain tensor) in CPU memory on rank 0, ``None`` elsewhere; call on
-    every rank. ``copy=False``: the result may be a view of the first rows of a padded receive buffer (contiguous, at
-    offset 0 of its storage), which saves a copy when only its bytes are needed. ``scratch`` (rank 0, a flat
-    ``uint8`` tensor on the mesh's device, at least :func:`receive_bytes` long): receive into it instead of a new
-    buffer, so that gathering many tensors in turn reuses one block of memory (valid until the next call).
-    ``discard=True`` (rank 0, after a failure): receive what the other ranks send, one shard's worth of memory at a
-    time, and keep nothing, so that they are not left waiting."""
+def gather_tensor(tensor: Tensor) -> Tensor | None:
+    """The whole of ``tensor`` (a ``DTensor`` or a plain tensor) in fresh CPU memory on rank 0, ``None`` elsewhere;
+    call on every rank. Never a view of the live model (``save_merged`` merges into the result)."""
+    return _gather(tensor, "copy")
+
+
+def gather_tensor_into(tensor: Tensor, scratch: Tensor | None) -> Tensor | None:
+    """As :func:`gather_tensor`, but on rank 0 the result may be a view of the first rows of a padded receive buffer
+    (contiguous, at offset 0 of its storage), which saves a copy when only its bytes are needed; ``scratch`` (a flat
+    ``uint8`` tensor on the mesh's device, at least :func:`receive_bytes` long, or ``None``) is that buffer, so that
+    gathering many tensors in turn reuses one block of memory (the result is valid until the next call)."""
+    return _gather(tensor, "view", scratch)
+
+
+def drain_tensor(tensor: Tensor) -> None:
+    """The collective of :func:`gather_tensor` with nothing kept: rank 0 (after a failure) receives what the other
+    ranks send, one shard's worth of memory at a time, so that they are not left waiting."""
+    _gather(tensor, "discard")
+
+
+def _gather(tensor: Tensor, mode: Literal["copy", "view", "discard"], scratch: Tensor | None = None) -> Tensor | None:
     from torch.distributed.tensor import DTensor
 
-    # Always fresh memory: the result must never alias the live model (save_merged merges into it).
+    rank0 = not dist.is_initialized() or dist.get_rank() == 0
+    keep = rank0 and mode != "discard"
     if not isinstance(tensor, DTensor):
-        return tensor.detach().to("cpu", copy=True) if rank0 and not discard else None
+        return tensor.detach().to("cpu", copy=True) if keep else None
     mesh = tensor.device_mesh
-    layout = _fsdp_layout(tensor)
-    if layout is None:
+    shard_dim = _rows_split_on(tensor)
+    if shard_dim is None:
         full = tensor.full_tensor()  # a layout FSDP2 does not make by default: the general (all-gather) path
-        return full.to("cpu", copy=True).contiguous() if rank0 and not discard else None
-    if layout == "hsdp" and mesh.get_local_rank(0) != 0:
-        # Replicated over the first mesh dimension: every replica holds the same shards, so only the shard group of
-        # replica 0 (which holds rank 0) sends them; the other replicas have nothing to do.
+        return full.to("cpu", copy=True).contiguous() if keep else None
+    if any(mesh.get_local_rank(d) != 0 for d in range(mesh.ndim) if d != shard_dim):
+        # Replicated over the other mesh dimensions (HSDP's replicas): every replica holds the same pieces, so only
+        # the group of replica 0 (which holds rank 0) sends them; the other replicas have nothing to do.
         return None
-    group, world = mesh.get_group(mesh.ndim - 1), mesh.size(mesh.ndim - 1)
+    group, world = mesh.get_group(shard_dim), mesh.size(shard_dim)
     rows = tensor.shape[0]
     chunk = math.ceil(rows / world)
     # With CPU offload the shards live in CPU memory, but NCCL only moves device memory.
@@ -124,7 +113,7 @@ def gather_tensor(
     if not rank0:
         dist.send(local.contiguous(), dst=dist.get_global_rank(group, 0), group=group)
         return None
-    if discard:
+    if mode == "discard":
         _drain(local, group, world)
         return None
     shape = (world * chunk, *local.shape[1:])
@@ -145,33 +134,40 @@ def gather_tensor(
     full = buffer[:rows]
     if full.device.type != "cpu":
         return full.cpu()
-    return full.clone() if copy and world * chunk != rows else full  # torch.save of a view saves the padding too
+    # torch.save of a view saves the padding too
+    return full.clone() if mode == "copy" and world * chunk != rows else full
 
 
 def receive_bytes(tensor: Tensor) -> int:
-    """Bytes of the padded buffer :func:`gather_tensor` receives ``tensor`` into on rank 0 (0 if not a ``DTensor``)."""
-    from torch.distributed.tensor import DTensor
-
-    if not isinstance(tensor, DTensor) or tensor.ndim == 0 or tensor.shape[0] == 0:
+    """Bytes of the padded buffer :func:`gather_tensor_into` receives ``tensor`` into on rank 0 (0 if it takes the
+    general path, or is not a ``DTensor``)."""
+    shard_dim = _rows_split_on(tensor)
+    if shard_dim is None:
         return 0
-    parts = tensor.device_mesh.size(tensor.device_mesh.ndim - 1)
+    parts = tensor.device_mesh.size(shard_dim)  # type: ignore[attr-defined]
     rows = math.ceil(tensor.shape[0] / parts) * parts
     return rows * math.prod(tensor.shape[1:]) * tensor.element_size()
 
 
-def _fsdp_layout(tensor: Any) -> str | None:
-    """``"fsdp"`` for a DTensor sharded along dim 0 over a 1-D mesh, ``"hsdp"`` for one replicated over the first
-    dimension of a 2-D mesh and sharded along dim 0 over the second; ``None`` for any other layout (or an empty one)."""
-    from torch.distributed.tensor import Replicate, Shard
+def _rows_split_on(tensor: Any) -> int | None:
+    """The mesh dimension that splits ``tensor`` in ``torch.chunk`` pieces of its rows, when that is the only one
+    that splits it (FSDP2's layout, with or without replicas: FSDP and HSDP); ``None`` for any other layout (or an
+    empty tensor)."""
+    from torch.distributed.tensor import DTensor, Replicate, Shard
 
-    if tensor.ndim == 0 or tensor.shape[0] == 0:
+    if not isinstance(tensor, DTensor) or tensor.ndim == 0 or tensor.shape[0] == 0:
         return None
-    placements = tuple(tensor.placements)
-    if placements == (Shard(0),):
-        return "fsdp"
-    if placements == (Replicate(), Shard(0)):
-        return "hsdp"
-    return None
+    split = split_dims(tensor)
+    if len(split) != 1 or next(iter(split.values())) != 0:
+        return None
+    (mesh_dim,) = split
+    placements = tensor.placements
+    # Exactly Shard(0) (not a strided shard) and plain replicas elsewhere (not Partial).
+    if type(placements[mesh_dim]) is not Shard or any(
+        not isinstance(p, Replicate) for d, p in enumerate(placements) if d != mesh_dim
+    ):
+        return None
+    return mesh_dim
 
 
 def _drain(local: Tensor, group: Any, world: int) -> None:

@@ -4,7 +4,7 @@
 parameter and every optimizer state of the model in rank 0's CPU memory (the classic FSDP "rank 0 runs out of memory
 on save"). The file format does not need that. A ``torch.save`` file is a zip archive with one record per storage
 (``data/<key>``) and the pickled object (``data.pkl``) that refers to storages only by key; records may come in any
-order. So :func:`save_streamed` gathers one sharded tensor to rank 0 (``shards.gather_tensor``), writes it as its
+order. So :func:`save_streamed` gathers one sharded tensor to rank 0 (``shards.gather_tensor_into``), writes it as its
 record with torch's own zip writer (``torch._C.PyTorchFileWriter``, what ``torch.save`` uses), frees it, and goes on
 to the next; ``data.pkl`` comes last, pickled with the same conventions as ``torch.save`` (``_rebuild_tensor_v2`` over
 typed storages, protocol 2). The result is a file of the same format as ``torch.save``'s (records in another order):
@@ -34,7 +34,7 @@ from lightning_fsdp2.checkpoint.files import (
     temporary_path,
     write_error,
 )
-from lightning_fsdp2.checkpoint.shards import gather_tensor, receive_bytes
+from lightning_fsdp2.checkpoint.shards import drain_tensor, gather_tensor_into, receive_bytes
 
 GATHERED_KEYS = ("state_dict", "optimizer_states")
 """The parts of a Lightning checkpoint that hold sharded tensors (the same structure on every rank)."""
@@ -115,14 +115,12 @@ def _stream(value: Any, writer: _Writer | None) -> Any:
     from torch.distributed.tensor import DTensor
 
     if isinstance(value, DTensor):
-        if writer is None:
-            gather_tensor(value, False)
-            return None
-        if writer.error is not None:  # rank 0 failed earlier: keep receiving (and dropping) what the others send
-            gather_tensor(value, True, discard=True)
+        if writer is None or writer.error is not None:
+            # Not rank 0 (it sends), or rank 0 failed earlier: keep receiving (and dropping) what the others send.
+            drain_tensor(value)
             return None
         try:
-            return writer.add(gather_tensor(value, True, copy=False, scratch=writer.scratch_for(value)))
+            return writer.add(gather_tensor_into(value, writer.scratch_for(value)))
         except Exception as err:  # noqa: BLE001 - e.g. out of memory for this tensor; raised after the walk
             writer.error = err
             return None

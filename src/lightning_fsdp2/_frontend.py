@@ -1,0 +1,231 @@
+"""What both strategies share (the Trainer's and Fabric's ``FSDP2Strategy``): the options, devices, ranks, the
+process group, the layout and its device mesh, collectives, the model's init context and its ``parallelize`` call.
+
+A mixin, placed before Lightning's ``ParallelStrategy`` in each strategy's bases: it needs only what both of
+Lightning's ``ParallelStrategy`` classes have (``parallel_devices``, ``cluster_environment``, ``local_rank``,
+``node_rank``, ``global_rank``, ``world_size``) plus ``num_nodes``. Each front-end keeps Lightning's plumbing only:
+its hooks' names, its launcher, its checkpoint entry points.
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager, ExitStack, nullcontext
+from typing import Any
+
+import torch
+from lightning.fabric.utilities.distributed import (
+    ReduceOp,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_fsdp2.checkpoint.pretrained import DeferredLoads
+from lightning_fsdp2.init import meta_init_context
+from lightning_fsdp2.layout import Layout
+from lightning_fsdp2.options import StrategyOptions
+from lightning_fsdp2.parallel import Parallelized, ModulePrecision, parallelize, validate_external_launch
+from lightning_fsdp2.precision import convert_stock_precision
+
+
+class FrontEndCore:
+    """Options, processes, layout, collectives and the model's set-up of an FSDP2 strategy (either front-end)."""
+
+    parallel_devices: list[torch.device] | None
+    cluster_environment: Any
+    num_nodes: int
+    _process_group_backend: str | None
+    _device_mesh: DeviceMesh | None
+
+    # The front-end's own precision plugin class and how its messages name things (set by each front-end).
+    _precision_class: type
+    _strategy_name: str
+    _front_end: str
+
+    def _set_options(self, options: StrategyOptions) -> None:
+        """The options (checked by :meth:`StrategyOptions.from_arguments`); and what every strategy holds before it
+        starts."""
+        self._options = options
+        self._process_group_backend = options.process_group.backend
+        self._layout: Layout | None = None
+        self._device_mesh = None
+        self._deferred = DeferredLoads()  # load_pretrained calls made while the model is built, run after sharding
+
+    @property
+    def _sharded(self) -> bool:
+        """Checkpoints are saved as a directory of every rank's shards."""
+        return self._options.save.sharded
+
+    def _trainable_only(self, *parallelized: Parallelized | None) -> bool:
+        """Checkpoints hold the trainable parameters only: asked for, or a base stored in NF4 (QLoRA) among the set-up
+        modules saved (frozen, and it comes from ``load_pretrained`` again on resume: never saved)."""
+        return self._options.save.save_trainable_only or any(p is not None and p.quantized for p in parallelized)
+
+    # ---------------------------------------------------------------- precision
+    def _as_fsdp2_precision(self, plugin: Any, stock: tuple[type, ...]) -> Any:
+        """The plugin Lightning picked from ``precision=...`` as this front-end's ``FSDP2Precision`` (the stock
+        plugins in ``stock`` are converted; anything else but ``None`` is refused, naming the choices)."""
+        return convert_stock_precision(plugin, self._precision_class, stock, self._strategy_name, self._front_end)
+
+    # ---------------------------------------------------------------- processes, layout, mesh
+    @property
+    def layout(self) -> Layout:
+        """The processes' layout (named mesh dimensions and their sizes), resolved when the processes start."""
+        if self._layout is None:
+            raise RuntimeError(
+                "The layout exists only after the processes have been set up (in `fit`, or by `fabric.launch()`)."
+            )
+        return self._layout
+
+    @property
+    def device_mesh(self) -> DeviceMesh:
+        """The mesh parameters are sharded on: 1-D ``("shard",)`` over all processes, or 2-D ``("replicate", "shard")``
+        with ``device_mesh=(replicate, shard)`` (HSDP)."""
+        if self._device_mesh is None:
+            raise RuntimeError(
+                "The device mesh exists only after the processes have been set up (in `fit`, or by `fabric.launch()`)."
+            )
+        return self._device_mesh
+
+    @property
+    def root_device(self) -> torch.device:
+        """This process's device."""
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]  # type: ignore[attr-defined]
+
+    @property
+    def num_processes(self) -> int:
+        """Processes on this node."""
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        """Each data-parallel rank reads a different part of the data (ranks that differ only on other mesh
+        dimensions, none yet, would read the same)."""
+        if self._layout is None:  # asked before the processes started: every process is data-parallel
+            return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}  # type: ignore[attr-defined]
+        return {"num_replicas": self._layout.data_parallel_size,
+                "rank": self._layout.data_parallel_rank(self.global_rank)}  # type: ignore[attr-defined]
+
+    @property
+    def process_group_backend(self) -> str | None:
+        """The backend of the default process group."""
+        return self._process_group_backend
+
+    def set_world_ranks(self) -> None:
+        """Tell the cluster environment and ``rank_zero_only`` this process's global rank."""
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)  # type: ignore[attr-defined]
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank = self.global_rank  # type: ignore[attr-defined]
+        rank_zero_only.rank = fabric_rank_zero_only.rank = utils_rank_zero_only.rank = rank
+
+    def _start_processes(self) -> None:
+        """Check the launch, resolve and check the layout and the options that depend on it, start the process group
+        and build the mesh; every rank, before any model work. The front-end's own ``setup_environment`` (the
+        accelerator's device set-up) runs in between, as ``super()``."""
+        validate_external_launch(
+            self.cluster_environment,
+            num_processes=self.num_processes,
+            num_nodes=self.num_nodes,
+            local_rank=self.local_rank,  # type: ignore[attr-defined]
+            node_rank=self.node_rank,  # type: ignore[attr-defined]
+        )
+        super().setup_environment()  # type: ignore[misc]
+        reset_seed()
+        self.set_world_ranks()
+        device = self.root_device
+        # Sizes only, no collective yet: a layout that cannot work raises on every rank alike.
+        self._layout = self._options.layout.resolve(self.world_size, self.num_processes, device.type)  # type: ignore[attr-defined]
+        self._options.check(self._layout, device)
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(device)
+        device_id = device if device.type != "cpu" else None
+        _init_dist_connection(
+            self.cluster_environment, self._process_group_backend, timeout=self._options.process_group.timeout,  # type: ignore[attr-defined]
+            device_id=device_id,
+        )
+        self._device_mesh = self._layout.build_mesh(device.type)
+
+    # ---------------------------------------------------------------- the model
+    def _init_context(self, empty_init: bool | None, precision_context: AbstractContextManager) -> ExitStack:
+        """Where the model is built (``configure_model``, ``fabric.init_module()``): parameters on ``meta`` unless
+        ``meta_init=False`` (or ``empty_init=False``), ``load_pretrained`` deferred to after sharding, the storage
+        dtype set by the precision plugin's ``precision_context``."""
+        meta = self._options.init.meta_init if empty_init is None else empty_init
+        stack = ExitStack()
+        stack.enter_context(meta_init_context() if meta else nullcontext())
+        stack.enter_context(self._deferred.collecting())
+        stack.enter_context(precision_context)
+        return stack
+
+    def _parallelize(
+        self, module: nn.Module, precision: ModulePrecision, *, training: bool, module_is_root: bool = False
+    ) -> Parallelized:
+        """:func:`lightning_fsdp2.parallel.parallelize` with this strategy's layout, mesh, options and device, and
+        the ``load_pretrained`` calls made while ``module`` was built."""
+        return parallelize(
+            module,
+            self.device_mesh,
+            layout=self.layout,
+            options=self._options,
+            precision=precision,
+            device=self.root_device,
+            pretrained=self._deferred.take(module),
+            training=training,
+            module_is_root=module_is_root,
+        )
+
+    # ---------------------------------------------------------------- collectives
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        """Wait for all processes."""
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        """Send a picklable object from ``src`` to every process."""
+        if not _distributed_is_initialized():
+            return obj
+        holder = [obj]
+        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
+        return holder[0]
+
+    def _reduce(self, tensor: Tensor | Any, group: Any | None, reduce_op: ReduceOp | str | None) -> Tensor | Any:
+        """Reduce a tensor over all processes; other values pass through."""
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        """Register as ``"fsdp2"`` in the front-end's strategy registry."""
+        if "fsdp2" not in strategy_registry:
+            strategy_registry.register("fsdp2", cls, description="FSDP2 (fully_shard) from lightning-fsdp2")
+
+
+def precision_property(attribute: str, doc: str) -> property:
+    """A front-end's precision-plugin property (Lightning names it ``precision_plugin`` in the Trainer's strategies,
+    ``precision`` in Fabric's), kept in ``attribute``: always this front-end's ``FSDP2Precision``, Lightning's stock
+    plugins converted on assignment."""
+
+    def get(self: Any) -> Any:
+        if not isinstance(getattr(self, attribute, None), self._precision_class):
+            setattr(self, attribute, self._precision_class())
+        return getattr(self, attribute)
+
+    def put(self: Any, plugin: Any) -> None:
+        setattr(self, attribute, self._as_fsdp2_precision(plugin, self._stock_precisions()))
+
+    return property(get, put, doc=doc)
+

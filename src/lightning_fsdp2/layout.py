@@ -1,0 +1,203 @@
+"""How the processes are laid out: a device mesh whose dimensions have names.
+
+Every part of the package that needs to know which ranks hold what asks a :class:`Layout` (for the processes) or a
+tensor's own DTensor placements (:func:`split_dims`, for one tensor), never a position: "the last mesh dimension
+shards" stops being true as soon as a dimension is added (tensor parallelism, ``device_mesh=(replicate, shard,
+tensor)``), and a ready mesh from the user may name its dimensions as it likes.
+
+The dimensions, outermost (slowest-varying rank) first:
+
+* ``"replicate"``: HSDP's replicas; each holds every parameter, sharded within it; gradients are all-reduced across.
+* ``"shard"``: FSDP's shard groups, consecutive ranks; each parameter is split over them.
+
+Both are *data-parallel*: ranks at different coordinates on them read different batches. A layout is resolved once
+the processes are known (:meth:`Layout.resolve`, pure: no process group needed) and checked there, on every rank
+alike, before any collective; :meth:`Layout.build_mesh` then makes the ``DeviceMesh`` (a collective).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor
+from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+
+REPLICATE = "replicate"
+SHARD = "shard"
+DATA_PARALLEL = (REPLICATE, SHARD)
+"""The dimensions over which ranks read different data (the others, once there are others, share a batch)."""
+
+MeshOption = tuple[int, int] | DeviceMesh | None
+"""What ``FSDP2Strategy(device_mesh=...)`` takes: ``None`` (shard over every process), ``(replicate, shard)``, or a
+ready 1-D (shard) or 2-D (replicate, shard) ``DeviceMesh``."""
+
+
+def check_mesh_option(device_mesh: Any) -> MeshOption:
+    """``device_mesh`` as the strategies keep it, or a ``TypeError`` saying what it takes (at construction)."""
+    if device_mesh is None or isinstance(device_mesh, DeviceMesh):
+        return device_mesh
+    if not (isinstance(device_mesh, (tuple, list)) and len(device_mesh) == 2 and all(_positive_int(n) for n in device_mesh)):
+        raise TypeError(
+            f"FSDP2Strategy(device_mesh={device_mesh!r}): pass a tuple (replicate, shard) of two positive ints"
+            " (HSDP: each parameter sharded over `shard` ranks, replicated `replicate` times; their product is"
+            " the number of processes), a DeviceMesh, or None to shard over every process."
+        )
+    return (device_mesh[0], device_mesh[1])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The processes as a mesh with named dimensions (see the module's docstring): ``names[i]`` has ``sizes[i]``
+    ranks; rank ``r`` sits at the row-major coordinates of ``r`` (what ``init_device_mesh`` makes, and what a ready
+    mesh is checked to be)."""
+
+    names: tuple[str, ...]
+    sizes: tuple[int, ...]
+    given: DeviceMesh | None = field(default=None, compare=False, repr=False)
+    """The user's own mesh, used as it is by :meth:`build_mesh`."""
+
+    @classmethod
+    def resolve(cls, option: MeshOption, world_size: int, devices_per_node: int, device_type: str) -> Layout:
+        """The layout ``FSDP2Strategy(device_mesh=option)`` asks for on ``world_size`` processes, ``devices_per_node``
+        of them per node; a ``ValueError`` that says what to change if it cannot work. Pure: the same on every
+        rank, so every rank raises together, before any collective."""
+        if option is None:
+            return cls((SHARD,), (world_size,))
+        if isinstance(option, DeviceMesh):
+            return cls._from_mesh(option, world_size, device_type)
+        replicate, shard = option
+        if replicate * shard != world_size:
+            raise ValueError(
+                f"FSDP2Strategy(device_mesh=({replicate}, {shard})): {replicate} x {shard} = {replicate * shard}, but"
+                f" there are {world_size} processes (devices x num_nodes). Choose (replicate, shard) with"
+                f" replicate x shard = {world_size}, e.g. shard = the devices per node ({devices_per_node}) and"
+                f" replicate = the number of nodes."
+            )
+        # A shard group gathers every parameter in every step: inside one node (or over whole nodes) its traffic
+        # stays off, or evenly on, the slow link between nodes. A group that straddles node boundaries unevenly is
+        # almost always a mistake in the numbers.
+        if replicate > 1 and devices_per_node % shard and shard % devices_per_node:
+            raise ValueError(
+                f"FSDP2Strategy(device_mesh=({replicate}, {shard})): shard groups of {shard} ranks straddle nodes of"
+                f" {devices_per_node} devices. Make `shard` divide the devices per node (HSDP's usual layout: shard ="
+                f" {devices_per_node}, one shard group per node) or a multiple of it (groups of whole nodes)."
+            )
+        return cls((REPLICATE, SHARD), (replicate, shard))
+
+    @classmethod
+    def _from_mesh(cls, mesh: DeviceMesh, world_size: int, device_type: str) -> Layout:
+        # Full checkpoints are gathered to rank 0 from the shard group of the first replica, pieces in rank order:
+        # the ranks must be laid out in order (what init_device_mesh makes), rank 0 first. Its dimensions are named
+        # by position, whatever the mesh calls them.
+        if mesh.ndim not in (1, 2) or mesh.mesh.flatten().tolist() != list(range(world_size)):
+            raise ValueError(
+                f"FSDP2Strategy(device_mesh=...) got a {mesh.ndim}-D mesh of ranks {mesh.mesh.tolist()}; it must be"
+                f" 1-D (shard) or 2-D (replicate, shard) over all {world_size} processes in rank order, as"
+                f" `init_device_mesh(device_type, (replicate, shard))` makes it, or pass the tuple (replicate, shard)."
+            )
+        if mesh.device_type != device_type:
+            raise ValueError(
+                f"FSDP2Strategy(device_mesh=...) got a {mesh.device_type!r} mesh for a run on {device_type!r}:"
+                f" build it with init_device_mesh({device_type!r}, ...), or pass the tuple (replicate, shard)."
+            )
+        names = (SHARD,) if mesh.ndim == 1 else (REPLICATE, SHARD)
+        return cls(names, tuple(mesh.shape), given=mesh)
+
+    # ------------------------------------------------------------------------------------------- sizes and ranks
+    @property
+    def world_size(self) -> int:
+        return math.prod(self.sizes)
+
+    def size(self, name: str) -> int:
+        """Ranks along dimension ``name`` (1 for a dimension the layout does not have)."""
+        return self.sizes[self.names.index(name)] if name in self.names else 1
+
+    @property
+    def shard_size(self) -> int:
+        """How many ranks each parameter is split over by FSDP (the shard group)."""
+        return self.size(SHARD)
+
+    @property
+    def data_parallel_size(self) -> int:
+        """How many different batches one step reads (the product of the data-parallel dimensions)."""
+        return math.prod(self.size(name) for name in DATA_PARALLEL)
+
+    def coordinates(self, rank: int) -> dict[str, int]:
+        """Where global rank ``rank`` sits on each dimension."""
+        coords: dict[str, int] = {}
+        for name, size in zip(reversed(self.names), reversed(self.sizes)):
+            rank, coords[name] = divmod(rank, size)
+        return {name: coords[name] for name in self.names}
+
+    def data_parallel_rank(self, rank: int) -> int:
+        """Which of the :attr:`data_parallel_size` batches global rank ``rank`` reads."""
+        coords = self.coordinates(rank)
+        index = 0
+        for name in DATA_PARALLEL:
+            index = index * self.size(name) + coords.get(name, 0)
+        return index
+
+    # ------------------------------------------------------------------------------------------- meshes
+    def build_mesh(self, device_type: str) -> DeviceMesh:
+        """The ``DeviceMesh`` of this layout, with its dimension names (the user's own mesh as it is). Every rank."""
+        if self.given is not None:
+            return self.given
+        return init_device_mesh(device_type, self.sizes, mesh_dim_names=self.names)
+
+    def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
+        """The part of ``mesh`` (:meth:`build_mesh`'s) that ``fully_shard`` takes: 1-D (shard) or 2-D (replicate,
+        shard, HSDP), its data-parallel dimensions."""
+        kept = tuple(name for name in self.names if name in DATA_PARALLEL)
+        return mesh if kept == self.names else mesh[kept]
+
+    def describe(self) -> str:
+        """``"replicate 2 x shard 4"``, for messages."""
+        return " x ".join(f"{name} {size}" for name, size in zip(self.names, self.sizes))
+
+
+def split_dims(tensor: Tensor) -> dict[int, int]:
+    """For a DTensor, which tensor dimension each mesh dimension splits it along (``{mesh_dim: tensor_dim}``; the
+    mesh dimensions that replicate it are absent); ``{}`` for a plain tensor. From the tensor's own placements, so
+    it holds for any layout, whatever the mesh's dimensions are called."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return {}
+    return {mesh_dim: p.dim for mesh_dim, p in enumerate(tensor.placements) if p.is_shard()}  # type: ignore[attr-defined]
+
+
+def shard_coordinate(tensor: Tensor) -> int:
+    """This rank's index among the distinct pieces of ``tensor``: ranks holding the same piece (replicas) share it,
+    ranks holding different pieces differ (0 for a plain tensor). Row-major over the mesh dimensions that split it."""
+    mesh = getattr(tensor, "device_mesh", None)
+    index = 0
+    for mesh_dim in sorted(split_dims(tensor)):
+        assert mesh is not None
+        index = index * mesh.size(mesh_dim) + mesh.get_local_rank(mesh_dim)
+    return index
+
+
+def local_slice(tensor: Tensor) -> tuple[slice, ...]:
+    """The slice of the whole tensor that this rank's local piece of ``tensor`` holds (all of it if not a DTensor),
+    from torch's own arithmetic for the tensor's placements (FSDP2's ``torch.chunk`` pieces: rank ``r`` holds rows
+    ``[r * ceil(n / world), ...)``, the last ranks fewer or none)."""
+    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor._utils import compute_local_shape_and_global_offset
+
+    if not isinstance(tensor, DTensor):
+        return tuple(slice(0, n) for n in tensor.shape)
+    shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
+    if tuple(shape) != tuple(tensor.to_local().shape):
+        raise NotImplementedError(
+            f"Unexpected shard layout {tensor.placements} (local shape {tuple(tensor.to_local().shape)}, placements"
+            f" say {tuple(shape)}): a DTensor whose local piece is not one contiguous block of the whole cannot be"
+            " read slice by slice."
+        )
+    return tuple(slice(start, start + n) for start, n in zip(offset, shape))
+
+
+def _positive_int(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+

@@ -1,0 +1,324 @@
+"""The strategies' options, one small frozen object per technique, each checking its own arguments.
+
+Both front-ends (:class:`lightning_fsdp2.FSDP2Strategy` and :class:`lightning_fsdp2.fabric.FSDP2Strategy`) take
+Lightning's flat keyword arguments and hand them, in one call, to :meth:`StrategyOptions.from_arguments`, which gives
+each technique the arguments its ``from_arguments`` names. A wrong value raises there, at construction, on every rank
+alike; what depends on the processes (the world size, the device) is checked by :meth:`StrategyOptions.check` once
+they are known. Everything downstream (``parallel.parallelize``, the checkpoint code) reads these objects, never the
+front-ends' arguments.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any, Literal
+
+import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
+
+from lightning_fsdp2.blocks import SavePolicy, check_compile_options, check_save_policy
+from lightning_fsdp2.layout import Layout, MeshOption, check_mesh_option
+from lightning_fsdp2.wrap import ModulePolicy
+
+StateDictType = Literal["full", "sharded"]
+"""How checkpoints are saved: one file from rank 0, or a directory of every rank's shards."""
+
+
+@dataclass(frozen=True)
+class LayoutOptions:
+    """How the processes are arranged (``device_mesh``); resolved into a :class:`~lightning_fsdp2.layout.Layout`
+    once the world size is known."""
+
+    device_mesh: MeshOption = None
+
+    @classmethod
+    def from_arguments(cls, *, device_mesh: MeshOption = None) -> LayoutOptions:
+        return cls(check_mesh_option(device_mesh))
+
+    def resolve(self, world_size: int, devices_per_node: int, device_type: str) -> Layout:
+        return Layout.resolve(self.device_mesh, world_size, devices_per_node, device_type)
+
+
+@dataclass(frozen=True)
+class ShardOptions:
+    """What ``fully_shard`` is given: the groups, a precision policy overriding the plugin's, resharding after
+    forward, and where the sharded parameters live (``cpu_offload``)."""
+
+    auto_wrap_policy: ModulePolicy | None = None
+    mixed_precision: MixedPrecisionPolicy | None = None
+    reshard_after_forward: bool | int = True
+    offload_policy: OffloadPolicy | None = None
+
+    @classmethod
+    def from_arguments(
+        cls,
+        *,
+        auto_wrap_policy: ModulePolicy | None = None,
+        mixed_precision: MixedPrecisionPolicy | None = None,
+        reshard_after_forward: bool | int = True,
+        cpu_offload: bool | OffloadPolicy = False,
+    ) -> ShardOptions:
+        """``cpu_offload=True`` is FSDP2's ``CPUOffloadPolicy()``."""
+        offload = cpu_offload if isinstance(cpu_offload, OffloadPolicy) else (CPUOffloadPolicy() if cpu_offload else None)
+        return cls(auto_wrap_policy, mixed_precision, reshard_after_forward, offload)
+
+    def check(self, layout: Layout, device: torch.device) -> None:
+        if self.offload_policy is not None and device.type == "cpu":
+            raise ValueError(
+                "FSDP2Strategy(cpu_offload=True) moves parameters from an accelerator to CPU memory, but this run is"
+                " already on the CPU. Remove `cpu_offload`, or train on GPUs (`accelerator='cuda'`)."
+            )
+        shard, resharded = layout.shard_size, self.reshard_after_forward
+        if not isinstance(resharded, bool) and not (1 < resharded < shard and shard % resharded == 0):
+            divisors = [d for d in range(2, shard) if shard % d == 0]
+            if not divisors:
+                raise ValueError(
+                    f"FSDP2Strategy(reshard_after_forward={resharded}) with parameters sharded over {shard} ranks: an"
+                    f" int is the size of smaller groups to reshard to after forward, and {shard} ranks have none"
+                    f" (no divisor of {shard} other than 1 and itself). Use True (free after forward) or False (keep"
+                    " to backward)."
+                )
+            raise ValueError(
+                f"FSDP2Strategy(reshard_after_forward={resharded}) with parameters sharded over {shard} ranks: an int"
+                f" is the size of the groups parameters are resharded to after forward, a divisor of {shard} other"
+                f" than 1 and {shard} (those are reshard_after_forward=False and True)."
+            )
+
+
+@dataclass(frozen=True)
+class CheckpointingOptions:
+    """Activation checkpointing: which modules, every n-th of them, and which ops' outputs they keep."""
+
+    policy: ModulePolicy | None = None
+    every: int = 1
+    save: SavePolicy | None = None
+
+    @classmethod
+    def from_arguments(
+        cls,
+        *,
+        activation_checkpointing_policy: ModulePolicy | None = None,
+        activation_checkpointing_every: int = 1,
+        activation_checkpointing_save: SavePolicy | None = None,
+    ) -> CheckpointingOptions:
+        if not _int_at_least(activation_checkpointing_every, 1):
+            raise ValueError(
+                f"FSDP2Strategy(activation_checkpointing_every={activation_checkpointing_every!r}): a positive int, n"
+                " to checkpoint every n-th module activation_checkpointing_policy selects (1: all of them)."
+            )
+        check_save_policy(activation_checkpointing_save)
+        if activation_checkpointing_policy is None and (
+            activation_checkpointing_every != 1 or activation_checkpointing_save is not None
+        ):
+            raise ValueError(
+                "FSDP2Strategy(activation_checkpointing_every=..., activation_checkpointing_save=...) choose among the"
+                " modules activation_checkpointing_policy selects, and none is given: pass it too, e.g."
+                " activation_checkpointing_policy={LlamaDecoderLayer}."
+            )
+        return cls(activation_checkpointing_policy, activation_checkpointing_every, activation_checkpointing_save)
+
+
+@dataclass(frozen=True)
+class CompileOptions:
+    """``torch.compile`` of each block: its keyword arguments, or ``None`` (not compiled)."""
+
+    kwargs: Mapping[str, Any] | None = None
+
+    @classmethod
+    def from_arguments(cls, *, compile: bool | Mapping[str, Any] = False) -> CompileOptions:
+        """``compile=True`` is ``torch.compile``'s defaults."""
+        if not isinstance(compile, (bool, Mapping)):
+            raise TypeError(
+                f"FSDP2Strategy(compile={compile!r}): pass True, a dict of torch.compile's keyword arguments, or False"
+                " (the default: not compiled)."
+            )
+        kwargs = None if compile is False else ({} if compile is True else dict(compile))
+        if kwargs is not None:
+            check_compile_options(kwargs)
+        return cls(kwargs)
+
+
+@dataclass(frozen=True)
+class PrefetchOptions:
+    """When the blocks' all-gathers start, and whether the last block reshards after its forward."""
+
+    forward: int = 0
+    backward: int = 1
+    reshard_last_block: bool = True
+
+    @classmethod
+    def from_arguments(
+        cls, *, forward_prefetch: int = 0, backward_prefetch: int = 1, reshard_last_block: bool = True
+    ) -> PrefetchOptions:
+        if not (_int_at_least(forward_prefetch, 0) and _int_at_least(backward_prefetch, 1)):
+            raise ValueError(
+                f"FSDP2Strategy(forward_prefetch={forward_prefetch!r}, backward_prefetch={backward_prefetch!r}): how many"
+                " blocks ahead to start all-gathering, an int >= 0 in forward and >= 1 in backward (0 and 1 are FSDP2's"
+                " own schedule)."
+            )
+        _check_flag("reshard_last_block", reshard_last_block)
+        return cls(forward_prefetch, backward_prefetch, reshard_last_block)
+
+
+@dataclass(frozen=True)
+class ActivationOffloadOptions:
+    """Activations saved for backward kept in pinned CPU memory between forward and backward (CUDA only)."""
+
+    enabled: bool = False
+
+    @classmethod
+    def from_arguments(cls, *, offload_activations: bool = False) -> ActivationOffloadOptions:
+        _check_flag("offload_activations", offload_activations)
+        return cls(offload_activations)
+
+    def check(self, device: torch.device) -> None:
+        if self.enabled and device.type != "cuda":
+            raise ValueError(
+                f"FSDP2Strategy(offload_activations=True) moves the activations saved for backward from the GPU to CPU"
+                f" memory, but this run is on {device.type!r}, where they are in CPU memory already. Remove"
+                " `offload_activations`, or train on GPUs (`accelerator='cuda'`)."
+            )
+
+
+@dataclass(frozen=True)
+class ForwardCheckOptions:
+    """Seconds a forward outside training waits for every rank to run it too (``None``: not checked)."""
+
+    timeout: float | None = 60.0
+
+    @classmethod
+    def from_arguments(cls, *, unmatched_forward_timeout: float | None = 60.0) -> ForwardCheckOptions:
+        timeout = unmatched_forward_timeout
+        if timeout is not None and not (
+            isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+        ):
+            raise ValueError(
+                f"FSDP2Strategy(unmatched_forward_timeout={timeout!r}): seconds (> 0) a forward outside"
+                " training waits for every rank to run it too, or None to turn the check off."
+            )
+        return cls(timeout)
+
+
+@dataclass(frozen=True)
+class InitOptions:
+    """Whether the model is built on ``meta`` (each rank then allocates only its shards)."""
+
+    meta_init: bool = True
+
+    @classmethod
+    def from_arguments(cls, *, meta_init: bool = True) -> InitOptions:
+        return cls(meta_init)
+
+
+@dataclass(frozen=True)
+class ProcessGroupOptions:
+    """The default process group: its backend (``None``: from the device) and its collectives' timeout."""
+
+    backend: str | None = None
+    timeout: timedelta | None = default_pg_timeout
+
+    @classmethod
+    def from_arguments(
+        cls, *, process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout
+    ) -> ProcessGroupOptions:
+        return cls(process_group_backend, timeout)
+
+
+@dataclass(frozen=True)
+class SaveOptions:
+    """Checkpoints: one file or every rank's shards, trainable parameters only, written in the background."""
+
+    state_dict_type: StateDictType = "full"
+    save_trainable_only: bool = False
+    async_save: bool = False
+
+    @classmethod
+    def from_arguments(
+        cls, *, state_dict_type: StateDictType = "full", save_trainable_only: bool = False, async_save: bool = False
+    ) -> SaveOptions:
+        if state_dict_type not in ("full", "sharded"):
+            raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}.")
+        if async_save and state_dict_type != "sharded":
+            raise ValueError(
+                "FSDP2Strategy(async_save=True) writes sharded checkpoints in the background; a full checkpoint is"
+                " gathered to rank 0 while it is written. Pass state_dict_type='sharded' as well, or drop async_save."
+            )
+        return cls(state_dict_type, save_trainable_only, async_save)
+
+    @property
+    def sharded(self) -> bool:
+        """Checkpoints are saved as a directory of every rank's shards."""
+        return self.state_dict_type == "sharded"
+
+
+_PARTS: dict[str, type] = {
+    "layout": LayoutOptions,
+    "shard": ShardOptions,
+    "checkpointing": CheckpointingOptions,
+    "compile": CompileOptions,
+    "prefetch": PrefetchOptions,
+    "offload_activations": ActivationOffloadOptions,
+    "forward_check": ForwardCheckOptions,
+    "init": InitOptions,
+    "process_group": ProcessGroupOptions,
+    "save": SaveOptions,
+}
+
+
+@dataclass(frozen=True)
+class StrategyOptions:
+    """Every technique's options (see the classes above), as both front-ends keep them."""
+
+    layout: LayoutOptions = LayoutOptions()
+    shard: ShardOptions = ShardOptions()
+    checkpointing: CheckpointingOptions = CheckpointingOptions()
+    compile: CompileOptions = CompileOptions()
+    prefetch: PrefetchOptions = PrefetchOptions()
+    offload_activations: ActivationOffloadOptions = ActivationOffloadOptions()
+    forward_check: ForwardCheckOptions = ForwardCheckOptions()
+    init: InitOptions = InitOptions()
+    process_group: ProcessGroupOptions = ProcessGroupOptions()
+    save: SaveOptions = SaveOptions()
+
+    @staticmethod
+    def arguments() -> dict[str, inspect.Parameter]:
+        """The front-ends' keyword arguments that are options, with their defaults."""
+        return {name: param for part in _PARTS.values()
+                for name, param in inspect.signature(part.from_arguments).parameters.items()}
+
+    @classmethod
+    def pick(cls, arguments: Mapping[str, Any]) -> dict[str, Any]:
+        """The entries of ``arguments`` (a front-end's ``locals()``) that are options."""
+        names = cls.arguments()
+        return {name: value for name, value in arguments.items() if name in names}
+
+    @classmethod
+    def from_arguments(cls, **arguments: Any) -> StrategyOptions:
+        """The options from a front-end's keyword arguments (any subset; the rest keep their defaults), each
+        technique checking its own."""
+        unknown = set(arguments) - set(cls.arguments())
+        if unknown:
+            raise TypeError(f"FSDP2Strategy got unexpected option(s) {sorted(unknown)}.")
+        parts = {}
+        for field, part in _PARTS.items():
+            taken = inspect.signature(part.from_arguments).parameters
+            parts[field] = part.from_arguments(**{k: v for k, v in arguments.items() if k in taken})
+        return cls(**parts)
+
+    def check(self, layout: Layout, device: torch.device) -> None:
+        """Raise, on every rank alike, for options that cannot work with this layout or on this device."""
+        self.shard.check(layout, device)
+        self.offload_activations.check(device)
+
+
+def _int_at_least(n: Any, low: int) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool) and n >= low
+
+
+def _check_flag(name: str, flag: Any) -> None:
+    if not isinstance(flag, bool):
+        raise TypeError(f"FSDP2Strategy({name}={flag!r}): pass True or False.")

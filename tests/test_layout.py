@@ -1,0 +1,132 @@
+"""The layout (named mesh dimensions) and the per-technique options: what every module asks instead of assuming
+positions, and the front-ends' arguments forwarded in one place."""
+
+from __future__ import annotations
+
+import inspect
+
+import pytest
+import torch
+
+from lightning_fsdp2.layout import DATA_PARALLEL, Layout
+from lightning_fsdp2.options import StrategyOptions
+from tests.helpers import run_distributed
+
+
+# =========================================================================== the layout, without processes
+def test_a_layout_names_its_dimensions_and_answers_by_name() -> None:
+    fsdp = Layout.resolve(None, 4, 4, "cpu")
+    assert (fsdp.names, fsdp.sizes, fsdp.shard_size, fsdp.data_parallel_size) == (("shard",), (4,), 4, 4)
+    hsdp = Layout.resolve((2, 3), 6, 3, "cpu")
+    assert (hsdp.names, hsdp.size("replicate"), hsdp.shard_size, hsdp.size("tensor")) == (("replicate", "shard"), 2, 3, 1)
+    # Row-major, as init_device_mesh lays ranks out: rank 4 is replica 1, shard 1.
+    assert hsdp.coordinates(4) == {"replicate": 1, "shard": 1}
+    assert [hsdp.data_parallel_rank(r) for r in range(6)] == list(range(6))
+
+
+def test_ranks_that_differ_only_off_the_data_parallel_dimensions_read_the_same_batch() -> None:
+    # A dimension that is not data-parallel (tensor parallelism's, next): its ranks share one batch.
+    layout = Layout(("replicate", "shard", "tensor"), (2, 2, 2))
+    assert "tensor" not in DATA_PARALLEL
+    assert layout.data_parallel_size == 4
+    assert [layout.data_parallel_rank(r) for r in range(8)] == [0, 0, 1, 1, 2, 2, 3, 3]
+
+
+def test_the_strategies_sampler_arguments_come_from_the_layout() -> None:
+    from lightning_fsdp2 import FSDP2Strategy
+    from lightning_fsdp2.fabric import FSDP2Strategy as FabricStrategy
+
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    for front_end in (FSDP2Strategy, FabricStrategy):
+        environment = LightningEnvironment()
+        environment.set_global_rank(3)
+        strategy = front_end(cluster_environment=environment)
+        strategy._layout = Layout(("shard", "tensor"), (2, 2))  # what _start_processes resolves (no processes here)
+        assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 1}
+
+
+# =========================================================================== tensors: from their own placements
+def _slices_and_gathers_from_placements() -> dict:
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    from lightning_fsdp2.checkpoint.shards import gather_tensor, local_slice, receive_bytes
+    from lightning_fsdp2.layout import shard_coordinate
+
+    dist.init_process_group("gloo")
+    # Dimension names of the user's choosing, and the dimension that splits rows *first*: nothing may assume
+    # "the last dimension shards".
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("rows", "copies"))
+    whole = torch.arange(7 * 6, dtype=torch.float32).reshape(7, 6)
+    out: dict = {}
+    for name, placements in {
+        "rows-first": (Shard(0), Replicate()),   # FSDP2's layout, replicated over the *last* dimension
+        "hsdp": (Replicate(), Shard(0)),
+        "two-splits": (Shard(0), Shard(1)),      # no FSDP2 layout: the general path
+    }.items():
+        tensor = distribute_tensor(whole, mesh, placements)
+        index = local_slice(tensor)
+        out[name] = {
+            "slice_ok": bool(torch.equal(whole[index], tensor.to_local())),
+            "gathered": gather_tensor(tensor),
+            "coordinate": shard_coordinate(tensor),
+            "receive_bytes": receive_bytes(tensor),
+        }
+    dist.destroy_process_group()
+    return out
+
+
+def test_slices_gathers_and_seeds_follow_each_tensors_placements() -> None:
+    ranks = run_distributed(_slices_and_gathers_from_placements, 4)
+    whole = torch.arange(7 * 6, dtype=torch.float32).reshape(7, 6)
+    for rank, result in enumerate(ranks):
+        for name, found in result.items():
+            assert found["slice_ok"], (rank, name)
+            if rank == 0:
+                assert torch.equal(found["gathered"], whole), name
+            else:
+                assert found["gathered"] is None, (rank, name)
+    # Which piece a rank holds: replicas share a coordinate (and so an init seed), different pieces differ.
+    assert [r["rows-first"]["coordinate"] for r in ranks] == [0, 0, 1, 1]
+    assert [r["hsdp"]["coordinate"] for r in ranks] == [0, 1, 0, 1]
+    assert [r["two-splits"]["coordinate"] for r in ranks] == [0, 1, 2, 3]
+    # The point-to-point path (a padded receive of 2 x 4 rows) for FSDP2's layouts; the general one otherwise.
+    assert ranks[0]["rows-first"]["receive_bytes"] == ranks[0]["hsdp"]["receive_bytes"] == 8 * 6 * 4
+    assert ranks[0]["two-splits"]["receive_bytes"] == 0
+
+
+# =========================================================================== options: one object per technique
+def test_both_front_ends_forward_the_same_option_arguments_with_the_same_defaults() -> None:
+    from lightning_fsdp2 import FSDP2Strategy
+    from lightning_fsdp2.fabric import FSDP2Strategy as FabricStrategy
+
+    options = StrategyOptions.arguments()
+    trainer = inspect.signature(FSDP2Strategy.__init__).parameters
+    fabric = inspect.signature(FabricStrategy.__init__).parameters
+    assert set(options) <= set(trainer), sorted(set(options) - set(trainer))
+    assert set(options) - set(fabric) == {"async_save"}  # Fabric has no background saves
+    for name, param in options.items():
+        for front_end, params in (("Trainer", trainer), ("Fabric", fabric)):
+            if name in params:
+                assert params[name].default == param.default, (front_end, name)
+    assert StrategyOptions.from_arguments() == StrategyOptions()
+
+
+def test_each_option_reaches_its_technique() -> None:
+    from lightning_fsdp2 import FSDP2Strategy
+    from lightning_fsdp2.fabric import FSDP2Strategy as FabricStrategy
+
+    given = {"device_mesh": (1, 2), "reshard_after_forward": False, "activation_checkpointing_policy": {torch.nn.Linear},
+             "activation_checkpointing_every": 2, "compile": {"dynamic": False}, "forward_prefetch": 2,
+             "backward_prefetch": 2, "reshard_last_block": False, "unmatched_forward_timeout": 5.0, "meta_init": False,
+             "process_group_backend": "gloo", "state_dict_type": "sharded", "save_trainable_only": True}
+    for strategy in (FSDP2Strategy(**given), FabricStrategy(**given)):
+        o = strategy._options
+        assert (o.layout.device_mesh, o.shard.reshard_after_forward, o.checkpointing.policy, o.checkpointing.every,
+                o.compile.kwargs, o.prefetch.forward, o.prefetch.backward, o.prefetch.reshard_last_block,
+                o.forward_check.timeout, o.init.meta_init, o.process_group.backend, o.save.state_dict_type,
+                o.save.save_trainable_only) == tuple(given.values())
+    with pytest.raises(TypeError, match="unexpected option"):
+        StrategyOptions.from_arguments(start_method="spawn")
