@@ -69,12 +69,6 @@ class FrontEndCore:
         modules saved (frozen, and it comes from ``load_pretrained`` again on resume: never saved)."""
         return self._options.save.save_trainable_only or any(p is not None and p.quantized for p in parallelized)
 
-    # ---------------------------------------------------------------- precision
-    def _as_fsdp2_precision(self, plugin: Any, stock: tuple[type, ...]) -> Any:
-        """The plugin Lightning picked from ``precision=...`` as this front-end's ``FSDP2Precision`` (the stock
-        plugins in ``stock`` are converted; anything else but ``None`` is refused, naming the choices)."""
-        return convert_stock_precision(plugin, self._precision_class, stock, self._strategy_name, self._front_end)
-
     # ---------------------------------------------------------------- processes, layout, mesh
     @property
     def layout(self) -> Layout:
@@ -225,7 +219,8 @@ def precision_property(attribute: str, doc: str) -> property:
         return getattr(self, attribute)
 
     def put(self: Any, plugin: Any) -> None:
-        setattr(self, attribute, self._as_fsdp2_precision(plugin, self._stock_precisions()))
+        setattr(self, attribute, convert_stock_precision(plugin, self._precision_class, self._strategy_name,
+                                                         self._front_end))
 
     return property(get, put, doc=doc)
 

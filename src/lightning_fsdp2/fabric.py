@@ -27,7 +27,7 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchCheckpointIO
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.fabric.plugins.precision import Precision
 from lightning.fabric.strategies.launchers.subprocess_script import _SubprocessScriptLauncher
 from lightning.fabric.strategies.parallel import ParallelStrategy
 from lightning.fabric.strategies.strategy import _apply_filter, _BackwardSyncControl
@@ -138,10 +138,6 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
     precision = precision_property(  # type: ignore[assignment]
         "_precision", "The :class:`FSDP2Precision` in use (Fabric's stock plugins are converted on assignment)."
     )
-
-    @staticmethod
-    def _stock_precisions() -> tuple[type, ...]:
-        return (Precision, HalfPrecision, MixedPrecision, DoublePrecision)
 
     @property
     def checkpoint_io(self) -> CheckpointIO:

@@ -14,11 +14,13 @@ from __future__ import annotations
 
 from collections.abc import Callable, Generator, Iterable
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import Any, Literal, cast, get_args
+from typing import Any, ClassVar, Literal, cast, get_args
 
 import torch
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
+from lightning.fabric.plugins import precision as fabric_precision
 from lightning.fabric.plugins.precision import Precision as FabricPrecision
+from lightning.pytorch.plugins import precision as trainer_precision
 from lightning.pytorch.plugins.precision.precision import Precision
 from lightning_utilities import apply_to_collection
 from torch import Tensor
@@ -176,6 +178,11 @@ class FSDP2Precision(PrecisionCore, Precision):
     (``"cuda"`` where CUDA is available, else ``"cpu"``).
     """
 
+    replaces: ClassVar[tuple[type, ...]] = (
+        Precision, trainer_precision.HalfPrecision, trainer_precision.MixedPrecision, trainer_precision.DoublePrecision
+    )
+    """The Trainer's stock plugins (from ``Trainer(precision=...)``) that the strategy turns into this one."""
+
     def pre_backward(self, tensor: Tensor, module: pl.LightningModule) -> Tensor:  # type: ignore[override]
         """Scale the loss under ``"16-mixed"``."""
         if self.scaler is not None:
@@ -219,6 +226,11 @@ class FabricFSDP2Precision(PrecisionCore, FabricPrecision):
     ``ShardedGradScaler``, which ``fabric.clip_gradients`` and the optimizer step unscale. ``adapter_dtype``: as for
     the Trainer's plugin, peft's adapters are stored in fp32 on a ``*-true`` base by default.
     """
+
+    replaces: ClassVar[tuple[type, ...]] = (
+        FabricPrecision, fabric_precision.HalfPrecision, fabric_precision.MixedPrecision, fabric_precision.DoublePrecision
+    )
+    """Fabric's stock plugins (from ``Fabric(precision=...)``) that the strategy turns into this one."""
 
     def pre_backward(self, tensor: Tensor, module: Module | None) -> Tensor:  # type: ignore[override]
         """Scale the loss under ``"16-mixed"``."""
@@ -269,13 +281,13 @@ def clip_grad_norm_(
     return total_norm
 
 
-def convert_stock_precision(plugin: Any, target: type, stock: tuple[type, ...], strategy: str, front_end: str) -> Any:
+def convert_stock_precision(plugin: Any, target: type, strategy: str, front_end: str) -> Any:
     """The plugin a front-end picked from ``precision=...`` as ``target`` (its ``FSDP2Precision``): Lightning's stock
-    plugins (``stock``) become ``target(plugin.precision)`` (which validates the value); ``target`` instances and
-    ``None`` stay; anything else is refused, naming the choices."""
+    plugins (``target.replaces``) become ``target(plugin.precision)`` (which validates the value); ``target`` instances
+    and ``None`` stay; anything else is refused, naming the choices."""
     if plugin is None or isinstance(plugin, target):
         return plugin
-    if type(plugin) in stock:
+    if type(plugin) in target.replaces:
         return target(plugin.precision)
     raise TypeError(
         f"{strategy} works with FSDP2Precision, not {type(plugin).__name__}. Pass `{front_end}(precision=...)` with one"

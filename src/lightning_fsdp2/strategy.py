@@ -23,7 +23,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, TorchChec
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.accelerators import Accelerator
-from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _WorkerOutput
 from lightning.pytorch.strategies.parallel import ParallelStrategy
@@ -186,10 +186,6 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
     precision_plugin = precision_property(  # type: ignore[assignment]
         "_precision_plugin", "The :class:`FSDP2Precision` in use (Lightning's stock plugins are converted on assignment)."
     )
-
-    @staticmethod
-    def _stock_precisions() -> tuple[type, ...]:
-        return (Precision, HalfPrecision, MixedPrecision, DoublePrecision)
 
     @property
     def is_distributed(self) -> bool:
