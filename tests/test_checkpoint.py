@@ -11,7 +11,7 @@ import torch
 from torch.utils.data import DataLoader
 
 from lightning_fsdp2 import CheckpointFileError, FSDP2Strategy, load_pretrained
-from lightning_fsdp2.checkpoint.files import check_sharded_files
+from lightning_fsdp2.checkpoint.safe_dcp import check_sharded_files
 from tests.helpers import run_distributed
 from tests.models import (
     fit_resumable,
@@ -514,7 +514,7 @@ def test_twice_wrapped_adapters_keep_distinct_names_and_load(tmp_path: Path) -> 
     peft state dict with non-zero adapters loads into the sharded model and gives the eager model's logits."""
     from transformers import Qwen3MoeForCausalLM
 
-    from lightning_fsdp2.checkpoint.plan import canonical_name
+    from lightning_fsdp2.peft_support import canonical_name
 
     torch.manual_seed(0)
     eager = _moe_lora(Qwen3MoeForCausalLM(_moe_config()))

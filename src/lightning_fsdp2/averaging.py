@@ -26,6 +26,8 @@ from torch import nn
 from torch.distributed.fsdp import FSDPModule
 from torch.optim.swa_utils import AveragedModel
 
+from lightning_fsdp2.checkpoint.formats import has_entry, load_entry
+
 __all__ = ["EMAWeightAveraging", "StochasticWeightAveraging", "WeightAveraging"]
 
 
@@ -57,8 +59,6 @@ class _ShardedAveraging:
         """Restore both models. The strategy has already loaded ``state_dict`` (the averaged weights, as Lightning's
         callback saves them) into the model: the averaged copy takes them from there, and the model its own weights
         from ``current_model_state`` (either checkpoint format, each rank its slices)."""
-        from lightning_fsdp2.checkpoint.formats import has_entry, load_entry
-
         if self._average_model is None:
             rank_zero_warn(
                 f"{type(self).__name__}: a checkpoint was loaded outside `fit`; the averaging state is not restored."
@@ -165,8 +165,6 @@ class StochasticWeightAveraging(_LightningSWA):
             checkpoint["swa_average_model_state"] = self._average_model.state_dict()
 
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
-        from lightning_fsdp2.checkpoint.formats import has_entry, load_entry
-
         if self._average_model is not None and has_entry(checkpoint, "swa_average_model_state"):
             load_entry(self._average_model, checkpoint, "swa_average_model_state")
 

@@ -29,9 +29,10 @@ from lightning_fsdp2.checkpoint.files import (
     load_torch_file,
     stale_safetensors_weights,
 )
+from lightning_fsdp2.checkpoint import safe_dcp
 from lightning_fsdp2.checkpoint.formats import read_sharded_meta
 from lightning_fsdp2.checkpoint.optimizer_keys import optimizer_state_by_index
-from lightning_fsdp2.checkpoint.plan import canonical_name, is_adapter_key
+from lightning_fsdp2.peft_support import canonical_name, is_adapter_key
 
 __all__ = ["read_full_checkpoint", "sharded_to_full", "to_hf_safetensors", "main"]
 
@@ -45,8 +46,6 @@ def read_full_checkpoint(src: str | os.PathLike, weights_only: bool = True) -> d
     if not src.is_dir():
         return load_torch_file(src, weights_only=weights_only)
     from torch.distributed.checkpoint.format_utils import _load_state_dict
-
-    from lightning_fsdp2.checkpoint import safe_dcp
 
     checkpoint = read_sharded_meta(src, weights_only=weights_only)
     checkpoint.pop("optimizer_states", None)  # placeholders; the states themselves follow

@@ -41,10 +41,10 @@ from torch.optim import Optimizer
 from lightning_fsdp2._frontend import FrontEndCore, precision_property
 from lightning_fsdp2.blocks import SavePolicy
 from lightning_fsdp2.checkpoint import formats
+from lightning_fsdp2.checkpoint.safe_dcp import check_sharded_files
 from lightning_fsdp2.checkpoint.files import (
     FORMAT_KEY,
     CheckpointFileError,
-    check_sharded_files,
     is_sharded_checkpoint,
     load_torch_file,
 )

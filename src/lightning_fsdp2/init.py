@@ -29,12 +29,12 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_fsdp2.layout import local_slice, shard_coordinate
+from lightning_fsdp2.layout import shard_coordinate
+from lightning_fsdp2.peft_support import modules_holding, peft_dora_rule, peft_lora_rule, peft_tuner_rule
 
 __all__ = [
     "UninitializedError",
     "check_initialized",
-    "check_peft_supported",
     "initialize_from_loaded",
     "initialize_module",
     "materialize_module",
@@ -230,7 +230,7 @@ def initialize_from_loaded(module: nn.Module, materialized: list[str]) -> None:
 
 def reset_parameters_rule(module: nn.Module, materialized: set[str]) -> None:
     """Call ``reset_parameters`` (or ``_reset_parameters``) on modules holding materialized tensors, post-order."""
-    holders = _modules_holding(module, materialized)
+    holders = modules_holding(module, materialized)
     for name, sub in reversed(list(module.named_modules())):
         reset = getattr(sub, "reset_parameters", None) or getattr(sub, "_reset_parameters", None)
         if callable(reset) and name in holders:
@@ -258,206 +258,6 @@ def hf_init_rule(module: nn.Module, materialized: set[str]) -> None:
     finally:
         for tensor in keep:
             tensor.__dict__.pop("_is_hf_initialized", None)
-
-
-def peft_lora_rule(module: nn.Module, materialized: set[str]) -> None:
-    """Initialize LoRA adapters as peft does, with each adapter's own ``init_lora_weights`` setting (AdaLoRA too, with
-    its own ``reset_lora_parameters`` and its rank counter)."""
-    try:
-        from peft.tuners.adalora import AdaLoraLayer
-        from peft.tuners.lora import LoraLayer
-    except ImportError:
-        return
-    configs = _peft_configs(module)
-    holders = _modules_holding(module, materialized)
-    for name, sub in module.named_modules():
-        if not isinstance(sub, LoraLayer) or name not in holders:
-            continue
-        for adapter in list(sub.lora_A.keys()) + list(sub.lora_embedding_A.keys()):
-            init = getattr(configs.get(adapter), "init_lora_weights", True)
-            if isinstance(sub, AdaLoraLayer):
-                sub.ranknum[adapter].fill_(float(sub.r[adapter]))  # a constant, built on meta like the rest
-                if init:
-                    sub.reset_lora_parameters(adapter)
-                else:  # peft keeps the standard-normal draws it created them with
-                    for tensor in (sub.lora_A[adapter], sub.lora_E[adapter], sub.lora_B[adapter]):
-                        tensor.normal_()
-                continue
-            sub.reset_lora_parameters(adapter, init)
-
-
-def check_peft_supported(module: nn.Module, training: bool) -> None:
-    """Refuse, before anything is allocated, the peft options that cannot run on a meta-built sharded model (or be
-    trained sharded, when ``training``).
-
-    Each names the option and what to use instead; the configs are the same on every rank, so every rank raises.
-    """
-    built_on_meta = any(p.is_meta for p in module.parameters())
-    for adapter, config in _peft_configs(module).items():
-        init = getattr(config, "init_lora_weights", True)
-        if built_on_meta and not (isinstance(init, bool) or (isinstance(init, str) and init.lower() == "gaussian")):
-            # PiSSA, OLoRA, LoftQ, EVA, CorDA, LoRA-GA, ... compute the adapters from the base weights (an SVD, a QR)
-            # and rewrite the base; "orthogonal" draws them jointly from one whole random matrix. Either needs whole
-            # real tensors when `get_peft_model` runs, which sees meta tensors here.
-            raise ValueError(
-                f"peft adapter {adapter!r} uses init_lora_weights={init!r}, which peft computes from whole weights"
-                " when get_peft_model runs (the base weights, or one whole random matrix); on a meta-built sharded"
-                " model there are none yet. Build the model for real (FSDP2Strategy(meta_init=False)) and call"
-                " load_pretrained before get_peft_model, or use init_lora_weights=True or 'gaussian'."
-            )
-        prompt_init = getattr(config, "prompt_tuning_init", None)
-        prompt_init = str(getattr(prompt_init, "value", prompt_init))
-        if built_on_meta and prompt_init.upper() not in ("NONE", "RANDOM") and not config.inference_mode:
-            # peft reads the word embeddings at construction (`TEXT`, `SAMPLE_VOCAB`; not in inference mode): meta
-            # here, so the prompt would silently start at random.
-            raise ValueError(
-                f"peft adapter {adapter!r} uses prompt_tuning_init={prompt_init!r}, which copies word embeddings when"
-                " get_peft_model runs; on a meta-built sharded model they are not loaded yet. Use"
-                " prompt_tuning_init='RANDOM', or build the model for real (FSDP2Strategy(meta_init=False)) and call"
-                " load_pretrained before get_peft_model."
-            )
-        if training and getattr(config, "peft_type", None) == "ADALORA":
-            # AdaLoraModel.forward adds a regularization computed from every lora_A/lora_B *after* the model's
-            # forward pass (whenever it returns a loss, even with orth_reg_weight=0), when FSDP2 has resharded them:
-            # each rank holds its slice only, and peft's code fails on it.
-            raise ValueError(
-                f"AdaLoRA adapter {adapter!r} cannot be trained sharded: peft's AdaLoraModel.forward computes its"
-                " orthogonal regularization from the whole lora_A/lora_B after the forward pass, when FSDP2 holds"
-                " only each rank's slice. Train AdaLoRA with another strategy (e.g. 'ddp'); FSDP2Strategy initializes,"
-                " loads, evaluates and exports it."
-            )
-
-
-def peft_tuner_rule(module: nn.Module, materialized: set[str]) -> None:
-    """Initialize the adapters of peft's other tuners with their own reset methods, as their ``update_layer`` does:
-    IA3 ``reset_ia3_parameters`` (ones; a normal draw with ``init_ia3_weights=False``), LoHa/LoKr
-    ``reset_adapter_parameters`` (``_random``, LoKr's ``_lycoris_way``, by ``init_weights``), VeRA
-    ``reset_vera_parameters`` (``d_initial``)."""
-    try:
-        from peft.tuners.ia3 import IA3Layer
-        from peft.tuners.loha import LoHaLayer
-        from peft.tuners.lokr import LoKrLayer
-        from peft.tuners.vera import VeraLayer
-    except ImportError:
-        return
-    configs = _peft_configs(module)
-    holders = _modules_holding(module, materialized)
-    for name, sub in module.named_modules():
-        if name not in holders:
-            continue
-        if isinstance(sub, IA3Layer):
-            for adapter, vector in sub.ia3_l.items():
-                if getattr(configs.get(adapter), "init_ia3_weights", True):
-                    sub.reset_ia3_parameters(adapter)
-                else:
-                    vector.normal_()
-        elif isinstance(sub, (LoHaLayer, LoKrLayer)):
-            for adapter in sorted(sub._available_adapters):  # a set: the same order (of random draws) on every rank
-                init = getattr(configs.get(adapter), "init_weights", True)
-                if init == "lycoris" and isinstance(sub, LoKrLayer):
-                    sub.reset_adapter_parameters_lycoris_way(adapter)
-                elif init:
-                    sub.reset_adapter_parameters(adapter)
-                else:
-                    sub.reset_adapter_parameters_random(adapter)
-        elif isinstance(sub, VeraLayer):
-            for adapter in sub.vera_lambda_d.keys():
-                config = configs.get(adapter)
-                if getattr(config, "init_weights", True):
-                    sub.reset_vera_parameters(adapter, d_initial=getattr(config, "d_initial", 0.1))
-                else:  # what peft's update_layer created them with
-                    sub.vera_lambda_b[adapter].fill_(1.0)
-                    sub.vera_lambda_d[adapter].normal_()
-    _vera_projections(module, materialized)
-
-
-def _vera_projections(module: nn.Module, materialized: set[str]) -> None:
-    """VeRA's frozen random projections, shared by all its layers, drawn from the config's ``projection_prng_key``.
-    peft moves them to the base layers' device, ``meta`` here; they are drawn again the way peft's
-    ``VeraModel._init_vera_A_vera_B`` draws them (its ``_kaiming_init`` on a CPU generator seeded with the key, A then
-    B; that method itself cannot run again on the wrapped model), and every layer's copy gets those values."""
-    from peft.tuners.vera import VeraLayer, VeraModel
-    from peft.tuners.vera.model import _kaiming_init
-
-    for prefix, model in module.named_modules():
-        if not isinstance(model, VeraModel):
-            continue
-        for adapter, config in model.peft_config.items():
-            shared = model.vera_A[adapter], model.vera_B[adapter]
-            generator = torch.Generator(device="cpu").manual_seed(config.projection_prng_key)
-            drawn = [_kaiming_init(tuple(t.shape), generator=generator) for t in shared]
-            for name, layer in model.named_modules():
-                if not isinstance(layer, VeraLayer) or adapter not in layer.vera_A:
-                    continue
-                full = f"{prefix}.{name}" if prefix else name
-                for attr, values in zip(("vera_A", "vera_B"), drawn):
-                    if f"{full}.{attr}.{adapter}" in materialized:
-                        getattr(layer, attr)[adapter].copy_(values)
-
-
-def peft_dora_rule(module: nn.Module, materialized: set[str]) -> None:
-    """DoRA's magnitude vectors, by peft's own ``DoraLinearLayer.update_layer`` on the whole (loaded) base weight and
-    adapters, of which each rank keeps the rows of its shard. Runs after the pretrained load (see
-    :func:`initialize_from_loaded`)."""
-    try:
-        from peft.tuners.lora import LoraLayer
-        from peft.tuners.lora.dora import DoraLinearLayer
-    except ImportError:
-        return
-
-    for name, sub in module.named_modules():
-        if not isinstance(sub, LoraLayer):
-            continue
-        for adapter, magnitude in sub.lora_magnitude_vector.items():
-            if f"{name}.lora_magnitude_vector.{adapter}.weight" not in materialized:
-                continue
-            if type(magnitude) is not DoraLinearLayer:
-                raise ValueError(
-                    f"DoRA adapter {adapter!r} at {name!r} is on a {type(sub.get_base_layer()).__name__}; on a"
-                    " meta-built sharded model its magnitudes can be computed for linear layers only. Start from"
-                    " saved adapters (`lora.load_adapter`), target linear layers only, or pass"
-                    " FSDP2Strategy(meta_init=False)."
-                )
-            base = nn.Module()
-            base.weight = nn.Parameter(_whole(sub.get_base_layer().weight), requires_grad=False)
-            fresh = DoraLinearLayer(fan_in_fan_out=magnitude.fan_in_fan_out)
-            fresh.update_layer(
-                base_layer=base,
-                lora_A=_whole(sub.lora_A[adapter].weight),
-                lora_B=_whole(sub.lora_B[adapter].weight),
-                scaling=sub.scaling[adapter],
-            )
-            target = magnitude.weight
-            local = target.to_local() if hasattr(target, "to_local") else target
-            local.copy_(fresh.weight[local_slice(target)])
-
-
-def _whole(tensor: Tensor) -> Tensor:
-    """The whole of a (sharded) tensor on this rank; a collective for a ``DTensor``."""
-    return tensor.full_tensor() if hasattr(tensor, "full_tensor") else tensor
-
-
-def _peft_configs(module: nn.Module) -> dict[str, Any]:
-    """Every peft adapter's config in ``module``, by adapter name."""
-    try:
-        from peft import PeftModel
-        from peft.tuners.tuners_utils import BaseTuner
-    except ImportError:
-        return {}
-    configs: dict[str, Any] = {}
-    for sub in module.modules():
-        if isinstance(sub, (BaseTuner, PeftModel)):  # prompt learning has no tuner: its config is on the PeftModel
-            configs.update(sub.peft_config)
-    return configs
-
-
-def _modules_holding(module: nn.Module, materialized: set[str]) -> set[str]:
-    """Names of modules with a materialized tensor at or below them."""
-    holders: set[str] = set()
-    for name in materialized:
-        parts = name.split(".")[:-1]
-        holders.update(".".join(parts[:i]) for i in range(len(parts) + 1))
-    return holders
 
 
 def _outermost(module: nn.Module, cls: type) -> list[nn.Module]:

@@ -34,11 +34,12 @@ from lightning_fsdp2.checkpoint.files import (
     on_rank0,
     stale_safetensors_weights,
 )
-from lightning_fsdp2.checkpoint.plan import peft_state_dict, tied_aliases
+from lightning_fsdp2.checkpoint.plan import tied_aliases
 from lightning_fsdp2.checkpoint.pretrained import declare_load
 from lightning_fsdp2.checkpoint.shards import gather_to_rank0
 from lightning_fsdp2.checkpoint.sources import PretrainedSource
 from lightning_fsdp2.quantize import Dequantizing
+from lightning_fsdp2.peft_support import peft_state_dict
 
 __all__ = ["AdapterExport", "find_peft_model", "load_adapter", "save_adapter", "save_merged"]
 

@@ -41,11 +41,10 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
 from lightning_fsdp2.checkpoint.module_load import install_load_hooks
-from lightning_fsdp2.checkpoint.pretrained import PendingPretrained
+from lightning_fsdp2.checkpoint.pretrained import PlannedLoads
 from lightning_fsdp2.lockstep import guard_forwards
 from lightning_fsdp2.init import (
     check_initialized,
-    check_peft_supported,
     initialize_from_loaded,
     initialize_module,
     materialize_module,
@@ -61,6 +60,8 @@ from lightning_fsdp2.blocks import (
 )
 from lightning_fsdp2.layout import Layout
 from lightning_fsdp2.options import StrategyOptions
+from lightning_fsdp2.quantize import shard_quantizing
+from lightning_fsdp2.peft_support import check_peft_supported
 from lightning_fsdp2.wrap import block_names, fsdp_roots, innermost, schedule_blocks, shard_model
 
 
@@ -93,7 +94,7 @@ def parallelize(
     options: StrategyOptions,
     precision: ModulePrecision,
     device: torch.device,
-    pretrained: PendingPretrained,
+    pretrained: PlannedLoads,
     training: bool,
     module_is_root: bool = False,
 ) -> Parallelized:
@@ -158,41 +159,25 @@ def apply_fully_shard(
     layout: Layout,
     options: StrategyOptions,
     precision: ModulePrecision,
-    pretrained: PendingPretrained,
+    pretrained: PlannedLoads,
     device: torch.device,
     module_is_root: bool,
 ) -> set[str]:
     """``fully_shard`` bottom-up, then the roots (``wrap.py``), over ``mesh`` (the layout's data-parallel part);
-    return the names of the weights stored in NF4."""
-    # QLoRA: the weights declared with quantize="nf4" become whole NF4 tensors just before the fully_shard of their
-    # group, which splits them: beyond its shards a rank holds one group's whole NF4 weights, never the whole base.
-    shards = layout.shard_size
-    pretrained.check_quantize(module, shards)
-    quantized: set[str] = set()
-    alone = None
-    if shards == 1:
-        # With one rank per shard group (world size 1, or HSDP with `shard=1`) there is nothing to split, and
-        # torchao's NF4 does not take FSDP2's single-rank all-gather (fsdp_post_all_gather receives one output): NF4
-        # weights then stay plain, unmanaged by FSDP2.
-        quantized = pretrained.quantize(module, device=device)
-        alone = {p for n, p in module.named_parameters() if n in quantized}
-
-    def quantize_group(name: str, group: nn.Module) -> None:
-        quantized.update(pretrained.quantize(module, within=name, device=device))
-
+    with weights loaded with ``quantize="nf4"``, group by group, each group's stored in NF4 just before its
+    ``fully_shard`` (``quantize.py``). Return the names of the weights stored in NF4."""
     shard = options.shard
-    shard_model(
-        module,
-        mesh,
-        shard.auto_wrap_policy,
-        mp_policy=shard.mixed_precision or precision.mixed_precision_policy,
-        offload_policy=shard.offload_policy,
-        reshard_after_forward=shard.reshard_after_forward,
-        model_is_root=module_is_root,
-        ignored_params=alone,
-        before_group=quantize_group,
-    )
-    return quantized
+    arguments = {
+        "policy": shard.auto_wrap_policy,
+        "mp_policy": shard.mixed_precision or precision.mixed_precision_policy,
+        "offload_policy": shard.offload_policy,
+        "reshard_after_forward": shard.reshard_after_forward,
+        "model_is_root": module_is_root,
+    }
+    if pretrained.quantizes:
+        return shard_quantizing(module, mesh, pretrained, layout.shard_size, device, **arguments)
+    shard_model(module, mesh, **arguments)
+    return set()
 
 
 def apply_root_hooks(module: nn.Module, options: StrategyOptions) -> None:
@@ -205,7 +190,7 @@ def apply_root_hooks(module: nn.Module, options: StrategyOptions) -> None:
 
 
 def apply_values(
-    module: nn.Module, options: StrategyOptions, pretrained: PendingPretrained, device: torch.device
+    module: nn.Module, options: StrategyOptions, pretrained: PlannedLoads, device: torch.device
 ) -> list[str]:
     """Each rank materializes its own shards, initializes what no pretrained weights cover (``init.py``), loads the
     slices ``load_pretrained`` declared (``checkpoint/pretrained.py``), derives what depends on them (DoRA

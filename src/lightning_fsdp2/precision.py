@@ -31,6 +31,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl
+from lightning_fsdp2.peft_support import adapter_tensors
 
 FSDP2PrecisionType = Literal["32-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed"]
 
@@ -150,8 +151,6 @@ def _cast_adapters(module: Module, dtype: torch.dtype) -> None:
     ``dtype``, as peft's own ``autocast_adapter_dtype=True`` does: a low-rank update applied in bf16 loses the small
     steps. FSDP2 gathers each tensor in its own dtype, so a group may hold a bf16 base and fp32 adapters. peft casts
     an adapter's input to the adapter's dtype and its output back, so the forward needs nothing else."""
-    from lightning_fsdp2.checkpoint.plan import adapter_tensors
-
     names = adapter_tensors(module)
     with torch.no_grad():
         for name, param in module.named_parameters():

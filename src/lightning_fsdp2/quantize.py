@@ -1,7 +1,7 @@
 """QLoRA's frozen base: linear weights stored in 4-bit NF4 (torchao's ``NF4Tensor``), quantized as they are loaded.
 
-``load_pretrained(model, source, quantize="nf4")`` names the weights; when the model is sharded, just before the
-``fully_shard`` of each group, that group's weights are read whole from the source (one at a time: at most one tensor
+``load_pretrained(model, source, quantize="nf4")`` names the weights; when the model is sharded (:func:`shard_quantizing`,
+one step of ``parallel.parallelize``), just before the ``fully_shard`` of each group, that group's weights are read whole from the source (one at a time: at most one tensor
 in high precision), cast to the parameter's dtype, quantized by torchao's ``to_nf4`` and put in place of the parameter.
 The ranks share the work: each reads and quantizes every N-th weight of the group and broadcasts the NF4 bytes.
 ``fully_shard`` then splits the quantized tensor along dim 0 at block boundaries (torchao implements the split FSDP2
@@ -17,10 +17,16 @@ from __future__ import annotations
 
 import math
 from collections.abc import Iterator, Mapping, Sequence
-from typing import Any
+from dataclasses import dataclass
+from typing import Any, Protocol
 
 import torch
+import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_fsdp2.peft_support import adapter_tensors
+from lightning_fsdp2.wrap import shard_groups
 
 QUANTIZATIONS = ("nf4",)
 NF4_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -62,8 +68,6 @@ def nf4_targets(module: nn.Module, candidates: Sequence[str], skip: Sequence[str
     quantize: not peft's adapters, not the output head (the ``get_output_embeddings()`` of a Hugging Face model, or
     a module named ``lm_head``), not in a module whose name ends with one of ``skip`` (as transformers'
     ``modules_to_not_convert``)."""
-    from lightning_fsdp2.checkpoint.plan import adapter_tensors
-
     adapters = adapter_tensors(module)
     heads = {id(m) for m in _output_heads(module)}
     linear = {
@@ -225,8 +229,6 @@ def broadcast_nf4(quantized: Tensor | None, src: int, device: torch.device) -> T
     bytes: its inner tensors (codes, scales, their factors) are broadcast through torch's subclass protocol
     (``__tensor_flatten__``/``__tensor_unflatten__``), so no rank quantizes it again. Through ``device`` for
     backends that move only device memory (NCCL); the result stays in CPU memory, as a locally quantized one."""
-    import torch.distributed as dist
-
     owner = dist.get_rank() == src
     layout: list[Any] = [None]
     if owner:
@@ -237,7 +239,7 @@ def broadcast_nf4(quantized: Tensor | None, src: int, device: torch.device) -> T
                    [(n, tuple(t.shape), t.dtype) for n, t in inner.items()])]
     # Our own processes' metadata (shapes, dtypes, block sizes), never data from a file.
     dist.broadcast_object_list(layout, src=src, device=device if device.type != "cpu" else None)
-    context, shape, stride, specs = layout[0]
+    context, shape, stride, specs = layout[0]  # what the owner put in `layout` above
     received = {}
     for name, size, dtype in specs:
         tensor = inner[name].contiguous() if owner else torch.empty(size, dtype=dtype)
@@ -245,6 +247,92 @@ def broadcast_nf4(quantized: Tensor | None, src: int, device: torch.device) -> T
         dist.broadcast(staged, src=src)
         received[name] = inner[name] if owner else staged.to(tensor.device)
     return quantized if owner else nf4_module().NF4Tensor.__tensor_unflatten__(received, context, shape, stride)
+
+
+@dataclass(frozen=True)
+class NF4Weight:
+    """A weight to store in NF4: its module (``owner``) and name there, where its values are (``source[key]``), and
+    its name in the model."""
+
+    owner: nn.Module
+    name: str
+    source: Any  # a checkpoint.sources.TensorSource
+    key: str
+    full_name: str
+
+
+class NF4Loads(Protocol):
+    """What the sharding step needs of the planned loads (``checkpoint.pretrained.PlannedLoads``)."""
+
+    def check_quantize(self, root: nn.Module, world_size: int, require_frozen: bool = True) -> None: ...
+
+    def take_nf4(self, root: nn.Module, within: str = "") -> list[NF4Weight]: ...
+
+
+def shard_quantizing(
+    module: nn.Module, mesh: DeviceMesh, loads: NF4Loads, shard_size: int, device: torch.device, **shard: Any
+) -> set[str]:
+    """``fully_shard`` ``module`` group by group (``wrap.shard_groups``, with ``shard``'s arguments), storing each
+    group's NF4 weights just before its ``fully_shard``, which splits them: beyond its shards a rank holds one group's
+    whole NF4 weights, never the whole base. Return the names of the weights stored in NF4. Every rank together."""
+    loads.check_quantize(module, shard_size)
+    if shard_size == 1:
+        # With one rank per shard group (world size 1, or HSDP with `shard=1`) there is nothing to split, and
+        # torchao's NF4 does not take FSDP2's single-rank all-gather (fsdp_post_all_gather receives one output): NF4
+        # weights then stay plain, unmanaged by FSDP2.
+        quantized = quantize_weights(loads.take_nf4(module), device)
+        alone = {p for n, p in module.named_parameters() if n in quantized}
+        for _ in shard_groups(module, mesh, ignored_params=alone, **shard):
+            pass
+        return quantized
+    quantized: set[str] = set()
+    turn = 0  # the ranks' turns go on from group to group, so the work stays spread when groups are small
+    for name, _ in shard_groups(module, mesh, **shard):  # each group is sharded once the loop moves on
+        weights = loads.take_nf4(module, within=name)
+        quantized |= quantize_weights(weights, device, first_turn=turn)
+        turn += len(weights)
+    return quantized
+
+
+def quantize_weights(weights: Sequence[NF4Weight], device: torch.device | None = None, first_turn: int = 0) -> set[str]:
+    """Store ``weights`` in NF4 now: each read whole, one at a time, cast, quantized, put in place of its parameter.
+    Return their names in the model.
+
+    With a ``device``, on every rank of the process group together: rank r reads and quantizes the weights whose
+    turn (``first_turn``, ``first_turn + 1``...) is r modulo the world size, and each is broadcast from the rank that
+    made it, so every rank ends with the same whole NF4 tensors for 1/N of the reading and quantizing (which, at 7B,
+    is most of the set-up)."""
+    if not weights:  # the same on every rank: a group (or a model) with nothing to quantize needs no collective
+        return set()
+    shared = device is not None and dist.is_initialized() and dist.get_world_size() > 1
+    rank, world = (dist.get_rank(), dist.get_world_size()) if shared else (0, 1)
+    made = {}  # this rank's share, quantized first: the ranks then work at the same time
+    failure: BaseException | None = None
+    try:
+        for i, weight in enumerate(weights, start=first_turn):
+            if i % world == rank:
+                shape = weight.source.shape(weight.key)
+                whole = weight.source.read(weight.key, tuple(slice(None) for _ in shape))
+                made[i] = to_nf4(weight.owner.get_parameter(weight.name), whole)
+                del whole  # one weight in high precision at a time
+    except BaseException as err:  # noqa: BLE001 - raised below, on every rank together
+        failure = err
+    if shared:
+        assert device is not None
+        # A rank that failed would never broadcast its share: the others would wait for it until the timeout.
+        failed = torch.tensor([failure is not None], dtype=torch.int32, device=device)
+        dist.all_reduce(failed, op=dist.ReduceOp.MAX)
+        if failed.item() and failure is None:
+            raise RuntimeError(
+                "load_pretrained(quantize='nf4'): another rank failed to read or quantize its share of the weights"
+                " (its own error is in its output); nothing was sharded."
+            )
+    if failure is not None:
+        raise failure
+    for i, weight in enumerate(weights, start=first_turn):
+        nf4 = broadcast_nf4(made.pop(i, None), i % world, device) if shared else made.pop(i)
+        put_in_place(weight.owner, weight.name, nf4)
+    return {weight.full_name for weight in weights}
 
 
 def dequantized(tensor: Tensor) -> Tensor:

@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import CPUOffloadPolicy, FSDPModule, MixedPrecisionPolicy
 from torch.optim import Optimizer
 
+from lightning_fsdp2 import averaging
 from lightning_fsdp2._frontend import FrontEndCore, precision_property
 from lightning_fsdp2.blocks import SavePolicy
 from lightning_fsdp2.checkpoint import formats as ckpt
@@ -219,8 +220,6 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         one; built before sharding, the copy would be unsharded, every rank holding the whole model) and copy values
         between plain and sharded tensors: refused before any work, rather than failing in the middle of fit."""
         from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
-
-        from lightning_fsdp2 import averaging
 
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         ours = (averaging.WeightAveraging, averaging.EMAWeightAveraging, averaging.StochasticWeightAveraging)

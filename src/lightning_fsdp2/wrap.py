@@ -11,10 +11,9 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from typing import Any, Union
 
-import torch
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import (
@@ -24,6 +23,8 @@ from torch.distributed.fsdp import (
     fully_shard,
     register_fsdp_forward_method,
 )
+
+from lightning_fsdp2.peft_support import names_inside_adapter_layers
 
 ModulePolicy = Union[set[type[nn.Module]], Callable[[str, nn.Module], bool]]
 """A set of module classes, or a callable ``(qualified_name, module) -> bool`` that selects modules."""
@@ -74,7 +75,7 @@ def block_names(model: nn.Module, policy: ModulePolicy | None = None) -> list[st
     stack of blocks runs in): those the policy selects that hold parameters, minus the two kinds it never makes groups
     (see :func:`shard_model`)."""
     select = resolve_policy(policy, model)
-    inside_adapter = _names_inside_adapter_layers(model)
+    inside_adapter = names_inside_adapter_layers(model)
     owners = _parameter_owners(model)
     return [
         name for name, module in model.named_modules()
@@ -99,7 +100,13 @@ def fsdp_roots(model: nn.Module) -> list[str]:
     return [n for n in groups if not any(inside(n, above) for above in groups)]
 
 
-def shard_model(
+def shard_model(model: nn.Module, mesh: DeviceMesh, policy: ModulePolicy | None = None, **options: Any) -> list[str]:
+    """Apply ``fully_shard`` to the selected modules bottom-up, then to the roots; return the groups' names.
+    ``options`` are :func:`shard_groups`' keyword arguments; this runs it to the end."""
+    return [name for name, _ in shard_groups(model, mesh, policy, **options)]
+
+
+def shard_groups(
     model: nn.Module,
     mesh: DeviceMesh,
     policy: ModulePolicy | None = None,
@@ -109,9 +116,10 @@ def shard_model(
     reshard_after_forward: bool | int = True,
     model_is_root: bool = False,
     ignored_params: set[nn.Parameter] | None = None,
-    before_group: Callable[[str, nn.Module], None] | None = None,
-) -> list[str]:
-    """Apply ``fully_shard`` to the selected modules bottom-up, then to the roots; return the groups' names.
+) -> Iterator[tuple[str, nn.Module]]:
+    """``fully_shard`` the selected modules bottom-up, then the roots, one group at a time: yields each group's
+    ``(name, module)`` just *before* its ``fully_shard``, which runs when the caller asks for the next one (so a step
+    can ready a group's parameters first: QLoRA stores them in NF4 there). Run it to the end (``shard_model`` does).
 
     The roots are the children of ``model`` (the ``LightningModule``) that hold parameters, such as ``self.model``:
     FSDP2 gathers a root's remaining parameters (embeddings, final norm, head) when the root is *called*, so with
@@ -121,7 +129,6 @@ def shard_model(
     ``model`` the single root; its steps must then run through its ``__call__`` (the strategy sees to that).
     ``model_is_root``: ``model`` is the root whatever it holds, for a front-end that calls ``model`` itself (Fabric
     calls the module given to ``setup_module``). ``ignored_params``: parameters FSDP2 leaves alone (whole, local).
-    ``before_group(name, module)`` runs just before each ``fully_shard`` (QLoRA quantizes the group's weights there).
 
     Two kinds of modules are never made groups of their own, whatever the policy says:
 
@@ -142,15 +149,14 @@ def shard_model(
         kwargs["offload_policy"] = offload_policy
     if ignored_params:
         kwargs["ignored_params"] = ignored_params
-    groups: list[str] = []
+    sharded = 0
     # Post-order: the reversed `named_modules()` order visits children before their parents, so inner groups come first.
     for name in reversed(block_names(model, policy)):
         module = model.get_submodule(name)
-        if before_group is not None:
-            before_group(name, module)
+        yield name, module
         fully_shard(module, **kwargs)
-        groups.append(name)
-    if not groups and _rank0():
+        sharded += 1
+    if not sharded and _rank0():
         warnings.warn(
             "The wrap policy selected no module with parameters of its own: only the roots are sharded, so each is"
             " gathered whole for its forward (no memory saved over DDP while it runs). Name the repeated blocks in"
@@ -164,16 +170,13 @@ def shard_model(
     for name in [""] if model_is_root else root_names(model):  # looks at the owners afresh: sharding replaced the grouped parameters
         root = model.get_submodule(name)
         if not isinstance(root, FSDPModule):  # a child the policy selected is a group, and a root, already
-            if before_group is not None:
-                before_group(name, root)
+            yield name, root
             fully_shard(root, **kwargs)
-            groups.append(name)
         # `generate` does not go through the root's forward (peft's calls the Hugging Face model's, which calls the
         # prompt encoder or reads its weight): registered as a forward method, it gathers the root's parameters
         # (embeddings, head, prompt encoder) as forward does.
         if callable(getattr(root, "generate", None)):
             register_fsdp_forward_method(root, "generate")
-    return groups
 
 
 def _rank0() -> bool:
@@ -195,19 +198,6 @@ def root_names(model: nn.Module) -> list[str]:
     ):
         return [""]
     return [n for n, _ in children]
-
-
-def _names_inside_adapter_layers(model: nn.Module) -> set[str]:
-    """Qualified names of the modules strictly below a peft tuner layer (e.g. ``...q_proj.lora_A.default``)."""
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:  # peft is a dependency, but the wrapping works without it
-        return set()
-    inside: set[str] = set()
-    for name, module in model.named_modules():
-        if isinstance(module, BaseTunerLayer):
-            inside.update(f"{name}.{sub}" for sub, _ in module.named_modules() if sub)
-    return inside
 
 
 def _parameter_owners(model: nn.Module) -> dict[int, set[str]]:

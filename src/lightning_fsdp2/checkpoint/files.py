@@ -422,27 +422,3 @@ def is_sharded_checkpoint(path: str | os.PathLike) -> bool:
     """Whether ``path`` is a directory written with ``state_dict_type="sharded"``."""
     path = Path(path)
     return path.is_dir() and (path / META_FILENAME).is_file() and (path / ".metadata").is_file()
-
-
-def check_sharded_files(path: Path) -> Any:
-    """Read a sharded checkpoint's index and check every file it points to is there and long enough.
-
-    ``torch.distributed.checkpoint`` reports a short file deep inside a collective; checking sizes first names
-    the file, on every rank, before any rank starts to load. Returns the index (DCP ``Metadata``).
-    """
-    # Not torch's reader, which `pickle.load`s the index: this one unpickles DCP's own index classes and nothing else.
-    from lightning_fsdp2.checkpoint.safe_dcp import read_dcp_metadata  # here: safe_dcp imports this module
-
-    if not (path / ".metadata").is_file():
-        raise CheckpointFileError(f"{path} is not a sharded checkpoint: it has no '.metadata' file.")
-    metadata = read_dcp_metadata(path)
-    needed: dict[str, int] = {}
-    for info in (metadata.storage_data or {}).values():
-        needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
-    for name, size in needed.items():
-        file = path / name
-        have = file.stat().st_size if file.is_file() else -1
-        if have < size:
-            state = "is missing" if have < 0 else f"has {have} bytes but its index needs {size}"
-            raise CheckpointFileError(f"The sharded checkpoint file {file} {state}: it is truncated or incomplete.")
-    return metadata

@@ -19,12 +19,13 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_fsdp2.checkpoint.background import BackgroundWriter, is_rank0, swap_into_place
+from lightning_fsdp2.checkpoint import safe_dcp
+from lightning_fsdp2.checkpoint.safe_dcp import check_sharded_files
 from lightning_fsdp2.checkpoint.files import (
     FORMAT_KEY,
     META_FILENAME,
     CheckpointFileError,
     check_replaceable,
-    check_sharded_files,
     delete,
     is_local,
     load_torch_file,
@@ -378,8 +379,6 @@ def load_sharded_model(
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
     from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict, set_model_state_dict
 
-    from lightning_fsdp2.checkpoint import safe_dcp
-
     metadata = check_sharded_files(path)
     saved = {
         k[len(key) + 1 :]: m
@@ -404,8 +403,6 @@ def load_sharded_optimizer(module: nn.Module, optimizer: Optimizer, path: Path, 
     """Load the optimizer state saved under ``key`` (``optimizer_<i>`` in a Lightning checkpoint) from a sharded
     checkpoint, at any world size."""
     from torch.distributed.checkpoint.state_dict import get_optimizer_state_dict, set_optimizer_state_dict
-
-    from lightning_fsdp2.checkpoint import safe_dcp
 
     metadata = check_sharded_files(path)
     if not any(k.startswith(f"{key}.") for k in metadata.state_dict_metadata):

@@ -25,7 +25,8 @@ import torch
 from torch import Tensor, nn
 from torch.optim import Optimizer
 
-from lightning_fsdp2.checkpoint.shards import local_slice
+from lightning_fsdp2.checkpoint.plan import tied_aliases
+from lightning_fsdp2.checkpoint.shards import gather_to_rank0, local_slice
 from lightning_fsdp2.checkpoint.sources import TensorSource
 from lightning_fsdp2.quantize import is_nf4
 
@@ -211,8 +212,5 @@ def full_state_dict(module: nn.Module) -> dict[str, Any]:
 
     (A sharded module's own ``state_dict()`` returns each rank's ``DTensor`` shards: what
     ``torch.distributed.checkpoint`` saves, and what ``load_state_dict`` takes back.)"""
-    from lightning_fsdp2.checkpoint.plan import tied_aliases
-    from lightning_fsdp2.checkpoint.shards import gather_to_rank0
-
     state = module.state_dict()
     return gather_to_rank0(state, same_as=tied_aliases(module, state))

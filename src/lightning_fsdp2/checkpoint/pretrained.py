@@ -13,24 +13,16 @@ from torch import nn
 
 from lightning_fsdp2.checkpoint.files import CheckpointFileError
 from lightning_fsdp2.checkpoint.module_load import load_through_model, uses_own_load_hooks
-from lightning_fsdp2.checkpoint.plan import (
-    LoadPlan,
-    adapter_names,
-    adapter_tensors,
-    align_prefixes,
-    canonical_name,
-    is_adapter_key,
-    listing,
-    peft_saved,
-    plan_load,
-    run_plan,
-)
+from lightning_fsdp2.checkpoint.plan import LoadPlan, align_prefixes, listing, plan_load, run_plan
 from lightning_fsdp2.checkpoint.sources import ConvertedSource, PretrainedSource, TensorSource, open_source
-from lightning_fsdp2.quantize import broadcast_nf4, check_nf4_targets, check_quantize, nf4_targets, put_in_place, to_nf4
+from lightning_fsdp2.quantize import NF4Weight, check_nf4_targets, check_quantize, nf4_targets, quantize_weights
+from lightning_fsdp2.peft_support import adapter_names, adapter_tensors, canonical_name, is_adapter_key, peft_saved
 
 
 @dataclass
-class _PendingLoad:
+class _LoadCall:
+    """One ``load_pretrained``/``load_adapter`` call declared on a ``meta``-built model, as it was made."""
+
     module: nn.Module
     source: PretrainedSource
     strict: bool
@@ -49,7 +41,7 @@ class DeferredLoads:
     """
 
     def __init__(self) -> None:
-        self._loads: list[_PendingLoad] = []
+        self._loads: list[_LoadCall] = []
 
     @contextmanager
     def collecting(self) -> Generator[None, None, None]:
@@ -60,24 +52,24 @@ class DeferredLoads:
         finally:
             _current.reset(token)
 
-    def take(self, root: nn.Module) -> PendingPretrained:
+    def take(self, root: nn.Module) -> PlannedLoads:
         """Remove and plan the loads declared on ``root`` or its submodules, in the order they were declared: a later
         one (saved adapters, after the base model's weights) may cover tensors an earlier one also wrote (peft's
         ``modules_to_save`` copies start as the base layer's weights)."""
         prefixes = {id(sub): prefix for prefix, sub in root.named_modules()}
         mine = [load for load in self._loads if id(load.module) in prefixes]
         self._loads = [load for load in self._loads if id(load.module) not in prefixes]
-        loads: list[tuple[str, TensorSource, LoadPlan, list[str]]] = []
-        for pending in mine:
-            source = open_source(pending.source)
-            source = source if pending.adapters_only else with_conversions(pending.module, source)
+        loads: list[PlannedLoad] = []
+        for call in mine:
+            source = open_source(call.source)
+            source = source if call.adapters_only else with_conversions(call.module, source)
             # Unexpected keys were warned about when load_pretrained was called; once is enough.
             plan = check_pretrained(
-                pending.module, source, strict=pending.strict, warn=False, adapters_only=pending.adapters_only
+                call.module, source, strict=call.strict, warn=False, adapters_only=call.adapters_only
             )
-            quantized = nf4_targets(pending.module, list(plan.copies), pending.skip) if pending.quantize else []
-            loads.append((prefixes[id(pending.module)], source, plan, quantized))
-        return PendingPretrained(loads)
+            nf4 = nf4_targets(call.module, list(plan.copies), call.skip) if call.quantize else []
+            loads.append(PlannedLoad(prefixes[id(call.module)], source, plan, nf4))
+        return PlannedLoads(loads)
 
 
 _current: ContextVar[DeferredLoads | None] = ContextVar("lightning_fsdp2_deferred_loads", default=None)
@@ -172,14 +164,14 @@ def declare_load(
                 " meta_init=True), or under `fabric.init_module()` with lightning_fsdp2.fabric.FSDP2Strategy. Build"
                 " the model for real to load at once."
             )
-        collector._loads.append(_PendingLoad(module, source, strict, adapters_only, quantize, skip))
+        collector._loads.append(_LoadCall(module, source, strict, adapters_only, quantize, skip))
         return
-    quantized = nf4_targets(module, list(plan.copies), skip) if quantize else []
-    if quantized:  # built for real: quantized at once (the weights freeze now; peft freezes the base anyway)
+    nf4 = nf4_targets(module, list(plan.copies), skip) if quantize else []
+    if nf4:  # built for real: quantized at once (the weights freeze now; peft freezes the base anyway)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        pending = PendingPretrained([("", opened, plan, quantized)])
-        pending.check_quantize(module, world, require_frozen=False)
-        pending.quantize(module)
+        planned = PlannedLoads([PlannedLoad("", opened, plan, nf4)])
+        planned.check_quantize(module, world, require_frozen=False)
+        quantize_weights(planned.take_nf4(module))
     run_plan(module, opened, plan)
 
 
@@ -285,74 +277,55 @@ def with_conversions(module: nn.Module, source: TensorSource) -> TensorSource:
     return converted if converted.converts else source
 
 
-@dataclass
-class PendingPretrained:
-    """The deferred :func:`load_pretrained` calls found in a model, planned against its current names: per load, the
-    submodule's name, the source, the plan, and the weights to store in NF4."""
+@dataclass(frozen=True)
+class PlannedLoad:
+    """One load into a model, planned against its names: the submodule it loads into (its name in the model), the
+    source, the plan (which source key fills which tensor), and the weights to store in NF4 (names in the submodule)."""
 
-    loads: list[tuple[str, TensorSource, LoadPlan, list[str]]]
-    quantized_so_far: int = 0
-    """How many weights :meth:`quantize` has stored in NF4: the turns of the ranks go on from group to group."""
+    prefix: str
+    source: TensorSource
+    plan: LoadPlan
+    nf4: list[str]
+
+
+@dataclass
+class PlannedLoads:
+    """The deferred :func:`load_pretrained` calls found in a model (:meth:`DeferredLoads.take`), in order, planned
+    against its current names; run once its shards exist."""
+
+    loads: list[PlannedLoad]
 
     @property
     def covered(self) -> set[str]:
         """Names (relative to the model) of the tensors these loads will give values."""
-        return {f"{prefix}.{n}" if prefix else n for prefix, _, plan, _ in self.loads for n in plan.copies}
+        return {f"{load.prefix}.{n}" if load.prefix else n for load in self.loads for n in load.plan.copies}
+
+    @property
+    def quantizes(self) -> bool:
+        """Some weights are to be stored in NF4 (``load_pretrained(..., quantize="nf4")``)."""
+        return any(load.nf4 for load in self.loads)
 
     def check_quantize(self, root: nn.Module, world_size: int, require_frozen: bool = True) -> None:
         """Raise, before anything is read, for any weight the loads would quantize that NF4 cannot store here."""
-        for prefix, source, plan, names in self.loads:
-            shapes = {n: tuple(source.shape(plan.copies[n])) for n in names}
-            check_nf4_targets(root.get_submodule(prefix), names, shapes, world_size, require_frozen)
+        for load in self.loads:
+            shapes = {n: tuple(load.source.shape(load.plan.copies[n])) for n in load.nf4}
+            check_nf4_targets(root.get_submodule(load.prefix), load.nf4, shapes, world_size, require_frozen)
 
-    def quantize(self, root: nn.Module, within: str = "", device: torch.device | None = None) -> set[str]:
-        """Store in NF4 now, before sharding, the weights the loads quantize that lie in ``root``'s submodule
-        ``within`` (all of them by default; see :mod:`lightning_fsdp2.quantize`): each read whole, one at a time, cast,
-        quantized, put in place of its parameter; they leave the plans (the rest is copied by :meth:`run` once the
-        shards exist). Call :meth:`check_quantize` first. Returns their names relative to ``root``.
-
-        With a ``device``, on every rank of the process group together: rank r reads and quantizes the weights r,
-        r + N, r + 2N... (in file order, counted on from earlier calls) and each is broadcast from the rank that made
-        it, so every rank ends with the same whole NF4 tensors for 1/N of the reading and quantizing (which, at 7B,
-        is most of the set-up)."""
-        chosen = []
-        for prefix, source, plan, names in self.loads:
-            full = {name: f"{prefix}.{name}" if prefix else name for name in names if name in plan.copies}
+    def take_nf4(self, root: nn.Module, within: str = "") -> list[NF4Weight]:
+        """The weights to store in NF4 that lie in ``root``'s submodule ``within`` (all of them by default), in file
+        order, taken out of the plans: :func:`lightning_fsdp2.quantize.quantize_weights` gives them their values
+        (the rest is copied by :meth:`run` once the shards exist)."""
+        taken = []
+        for load in self.loads:
+            full = {name: f"{load.prefix}.{name}" if load.prefix else name for name in load.nf4
+                    if name in load.plan.copies}
             mine = [n for n, f in full.items() if not within or f.startswith(f"{within}.")]
-            for name in sorted(mine, key=lambda n: source.where(plan.copies[n])):
-                chosen.append((root.get_submodule(prefix), name, source, plan.copies.pop(name), full[name]))
-        if not chosen:  # the same on every rank: a group (or a model) with nothing to quantize needs no collective
-            return set()
-        shared = device is not None and torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1
-        rank, world = (torch.distributed.get_rank(), torch.distributed.get_world_size()) if shared else (0, 1)
-        made = {}  # this rank's share, quantized first: the ranks then work at the same time
-        failure: BaseException | None = None
-        try:
-            for i, (sub, name, source, key, _) in enumerate(chosen, start=self.quantized_so_far):
-                if i % world == rank:
-                    whole = source.read(key, tuple(slice(None) for _ in source.shape(key)))
-                    made[i] = to_nf4(sub.get_parameter(name), whole)
-                    del whole  # one weight in high precision at a time
-        except BaseException as err:  # noqa: BLE001 - raised below, on every rank together
-            failure = err
-        if shared:
-            # A rank that failed would never broadcast its share: the others would wait for it until the timeout.
-            failed = torch.tensor([failure is not None], dtype=torch.int32, device=device)
-            torch.distributed.all_reduce(failed, op=torch.distributed.ReduceOp.MAX)
-            if failed.item() and failure is None:
-                raise RuntimeError(
-                    "load_pretrained(quantize='nf4'): another rank failed to read or quantize its share of the weights"
-                    " (its own error is in its output); nothing was sharded."
-                )
-        if failure is not None:
-            raise failure
-        for i, (sub, name, _, _, _) in enumerate(chosen, start=self.quantized_so_far):
-            quantized = broadcast_nf4(made.pop(i, None), i % world, device) if shared else made.pop(i)
-            put_in_place(sub, name, quantized)
-        self.quantized_so_far += len(chosen)
-        return {full for *_, full in chosen}
+            for name in sorted(mine, key=lambda n: load.source.where(load.plan.copies[n])):
+                taken.append(NF4Weight(root.get_submodule(load.prefix), name, load.source,
+                                       load.plan.copies.pop(name), full[name]))
+        return taken
 
     def run(self, root: nn.Module) -> None:
         """Read each rank's slices into its materialized shards."""
-        for prefix, source, plan, _ in self.loads:
-            run_plan(root.get_submodule(prefix), source, plan)
+        for load in self.loads:
+            run_plan(root.get_submodule(load.prefix), load.source, load.plan)
