@@ -110,9 +110,9 @@ def test_flags_are_bools_and_reshard_sizes_that_cannot_apply_say_so() -> None:
         FSDP2Strategy(offload_activations=1)
     options = StrategyOptions.from_arguments(reshard_after_forward=3)
     with pytest.raises(ValueError, match="2 ranks have none"):  # no int applies at all
-        options.check(Layout.resolve(None, 2, 2, "cpu"), torch.device("cpu"))
+        options.check_layout(Layout.resolve(None, 2, 2, "cpu"))
     with pytest.raises(ValueError, match="a divisor of 4 other than 1 and 4"):
-        options.check(Layout.resolve(None, 4, 4, "cpu"), torch.device("cpu"))
+        options.check_layout(Layout.resolve(None, 4, 4, "cpu"))
 
 
 def test_an_option_that_cannot_be_pickled_is_refused_when_the_start_method_pickles() -> None:

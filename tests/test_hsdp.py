@@ -266,7 +266,7 @@ def test_shard_groups_that_straddle_nodes_and_malformed_meshes_are_refused() -> 
 
     def check(mesh: object, world: int, devices_per_node: int, reshard: bool | int = True) -> None:
         options = StrategyOptions.from_arguments(device_mesh=mesh, reshard_after_forward=reshard)
-        options.check(options.layout.resolve(world, devices_per_node, "cpu"), torch.device("cpu"))
+        options.check_layout(options.layout.resolve(world, devices_per_node, "cpu"))
 
     # 3 nodes x 2 devices as 2 replicas x 3 shards: the second shard group takes one device of node 1 and both of
     # node 2, so its all-gathers cross between nodes.

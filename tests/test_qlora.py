@@ -230,49 +230,50 @@ def test_skip_leaves_modules_unquantized(start: tuple[str, str]) -> None:
 
 
 def _whole_nf4_while_sharding(base: str, adapter: str) -> dict:
-    """Fit one step with a wrap policy that, each time FSDP2Strategy asks it about a module (just before sharding the
-    groups, bottom-up), counts the NF4 weights some rank holds whole (not yet split into a DTensor); and count the
-    weights this rank quantized itself (torchao's `to_nf4` calls)."""
+    """Fit one step with FSDP2's `fully_shard` (as the package calls it) counting, at each call, the NF4 weights this
+    rank holds whole (not yet split into a DTensor); and count the weights this rank quantized itself (torchao's
+    `to_nf4` calls)."""
     from torch.distributed.tensor import DTensor
     from torchao.quantization.quantize_.workflows.nf4 import nf4_tensor
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
-    from lightning_fsdp2 import FSDP2Strategy
+    from lightning_fsdp2 import FSDP2Strategy, wrap
     from lightning_fsdp2.quantize import is_nf4
 
     module = QLoRAModule(base, adapter)
     seen: list[int] = []
     made: list[tuple[int, ...]] = []
-    to_nf4 = nf4_tensor.to_nf4
+    to_nf4, fully_shard = nf4_tensor.to_nf4, wrap.fully_shard
 
     def counting_to_nf4(tensor: torch.Tensor, *args: Any) -> Any:
         made.append(tuple(tensor.shape))
         return to_nf4(tensor, *args)
 
-    def blocks(name: str, sub: torch.nn.Module) -> bool:
+    def counting_fully_shard(sub: torch.nn.Module, **kwargs: Any) -> Any:
         seen.append(sum(is_nf4(p) and not isinstance(p, DTensor) for p in module.model.parameters()))
-        return isinstance(sub, LlamaDecoderLayer)
+        return fully_shard(sub, **kwargs)
 
-    nf4_tensor.to_nf4 = counting_to_nf4
+    nf4_tensor.to_nf4, wrap.fully_shard = counting_to_nf4, counting_fully_shard
     try:
-        L.Trainer(accelerator="cpu", devices=world(), strategy=FSDP2Strategy(auto_wrap_policy=blocks),
+        L.Trainer(accelerator="cpu", devices=world(), strategy=FSDP2Strategy(auto_wrap_policy={LlamaDecoderLayer}),
                   precision="32-true", max_steps=1, **quiet_trainer_kwargs()).fit(module)
     finally:
-        nf4_tensor.to_nf4 = to_nf4
+        nf4_tensor.to_nf4, wrap.fully_shard = to_nf4, fully_shard
     return {"whole": seen, "nf4": sum(is_nf4(p) for p in module.model.parameters()), "made": len(made)}
 
 
 def test_each_group_is_quantized_just_before_it_is_sharded_and_the_ranks_share_the_work(
     start: tuple[str, str],
 ) -> None:
-    """A rank never holds the whole NF4 base: a group's weights are quantized right before its fully_shard, so while
-    the groups are sharded no NF4 weight is left whole (quantizing the whole base first would show all 14 here). Each
-    rank quantizes half of the weights and receives the other half (identical bytes to one process: see
-    test_qlora_matches_a_hand_built_qlora_in_one_process)."""
+    """A rank never holds the whole NF4 base: a group's weights are quantized right before its fully_shard, so at each
+    fully_shard call the only whole NF4 weights are that group's (7 projections of one layer; quantizing the whole
+    base first would show all 14, quantizing after sharding none). Each rank quantizes half of the weights and
+    receives the other half (identical bytes to one process: see test_qlora_matches_a_hand_built_qlora_in_one_process)."""
     ranks = run_distributed(_whole_nf4_while_sharding, 2, *start)
     for rank in ranks:
         assert rank["nf4"] == 14  # 2 layers x 7 projections
-        assert rank["whole"] and max(rank["whole"]) == 0, rank["whole"]
+        # two decoder layers, then the root (nothing left to quantize): 7, 7, 0
+        assert rank["whole"] == [7, 7, 0], rank["whole"]
     assert [rank["made"] for rank in ranks] == [7, 7]
 
 

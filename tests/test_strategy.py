@@ -425,7 +425,7 @@ def test_a_launch_that_disagrees_with_devices_is_refused_on_every_rank(torchelas
 def test_the_launch_fix_counts_nodes_from_torchruns_numbers(monkeypatch: pytest.MonkeyPatch) -> None:
     """Under torchrun the values to set come from its LOCAL_WORLD_SIZE and WORLD_SIZE (2 nodes of 4 here); under
     another launcher that exports LOCAL_WORLD_SIZE too, no torchrun values are claimed."""
-    from lightning_fsdp2.parallel import _launch_fix
+    from lightning_fsdp2._frontend import _launch_fix
 
     monkeypatch.setenv("WORLD_SIZE", "8")
     monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")

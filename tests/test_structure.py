@@ -70,8 +70,7 @@ def _cycle(graph: dict[str, set[str]]) -> list[str] | None:
         state[node] = 1
         stack.append(node)
         for nxt in sorted(graph.get(node, ())):
-            # A package's __init__ importing its own submodules is how packages re-export: not a cycle by itself.
-            if state.get(nxt) == 1 and not (nxt == node.rpartition(".")[0] or node == nxt.rpartition(".")[0]):
+            if state.get(nxt) == 1:
                 return stack[stack.index(nxt):] + [nxt]
             if nxt not in state and (found := walk(nxt)):
                 return found

@@ -9,7 +9,9 @@ its hooks' names, its launcher, its checkpoint entry points.
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager, ExitStack, nullcontext
+import os
+from collections.abc import Generator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -32,7 +34,7 @@ from lightning_fsdp2.checkpoint.pretrained import DeferredLoads
 from lightning_fsdp2.init import meta_init_context
 from lightning_fsdp2.layout import Layout
 from lightning_fsdp2.options import StrategyOptions
-from lightning_fsdp2.parallel import Parallelized, ModulePrecision, parallelize, validate_external_launch
+from lightning_fsdp2.parallel import ModulePrecision, Parallelized, parallelize
 from lightning_fsdp2.precision import convert_stock_precision
 
 
@@ -137,9 +139,10 @@ class FrontEndCore:
         reset_seed()
         self.set_world_ranks()
         device = self.root_device
-        # Sizes only, no collective yet: a layout that cannot work raises on every rank alike.
+        # Sizes only, no collective yet: what cannot work raises on every rank alike.
+        self._options.check_device(device)
         self._layout = self._options.layout.resolve(self.world_size, self.num_processes, device.type)  # type: ignore[attr-defined]
-        self._options.check(self._layout, device)
+        self._options.check_layout(self._layout)
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(device)
         device_id = device if device.type != "cpu" else None
         _init_dist_connection(
@@ -149,16 +152,16 @@ class FrontEndCore:
         self._device_mesh = self._layout.build_mesh(device.type)
 
     # ---------------------------------------------------------------- the model
-    def _init_context(self, empty_init: bool | None, precision_context: AbstractContextManager) -> ExitStack:
+    @contextmanager
+    def _init_context(
+        self, empty_init: bool | None, precision_context: AbstractContextManager
+    ) -> Generator[None, None, None]:
         """Where the model is built (``configure_model``, ``fabric.init_module()``): parameters on ``meta`` unless
         ``meta_init=False`` (or ``empty_init=False``), ``load_pretrained`` deferred to after sharding, the storage
         dtype set by the precision plugin's ``precision_context``."""
         meta = self._options.init.meta_init if empty_init is None else empty_init
-        stack = ExitStack()
-        stack.enter_context(meta_init_context() if meta else nullcontext())
-        stack.enter_context(self._deferred.collecting())
-        stack.enter_context(precision_context)
-        return stack
+        with meta_init_context() if meta else nullcontext(), self._deferred.collecting(), precision_context:
+            yield
 
     def _parallelize(
         self, module: nn.Module, precision: ModulePrecision, *, training: bool, module_is_root: bool = False
@@ -224,3 +227,60 @@ def precision_property(attribute: str, doc: str) -> property:
 
     return property(get, put, doc=doc)
 
+
+def _launch_fix(num_processes: int, num_nodes: int, torchrun: bool) -> str:
+    """What to set instead of ``devices=num_processes, num_nodes=num_nodes``: from torchrun's own numbers
+    (``LOCAL_WORLD_SIZE``, ``WORLD_SIZE``) under torchrun, else in general terms."""
+    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
+    if torchrun and world and local and int(local) > 0 and int(world) % int(local) == 0:
+        nodes = int(world) // int(local)
+        return (f"Set `Trainer(devices={local}, num_nodes={nodes})` (or Fabric's) instead of devices={num_processes},"
+                f" num_nodes={num_nodes}: torchrun started {local} process(es) per node (--nproc-per-node) on"
+                f" {nodes} node(s) (--nnodes).")
+    return (f"Set `devices` (now {num_processes}) to the processes per node and `num_nodes` (now {num_nodes}) to the"
+            " nodes the launcher started (torchrun's --nproc-per-node and --nnodes; SLURM's --ntasks-per-node and"
+            " --nodes).")
+
+
+def validate_external_launch(env: Any, *, num_processes: int, num_nodes: int, local_rank: int, node_rank: int) -> None:
+    """Processes started outside Lightning (torchrun, SLURM, any launcher) must be as many as ``devices *
+    num_nodes``: Lightning's launchers check that, but with no launcher nobody does, and a mismatch trains silently on
+    part of the data or fails in an index. Checked from each rank's own environment before any collective, so every
+    rank raises together."""
+    if env is None or not env.creates_processes_externally:
+        return
+    try:
+        env.validate_settings(num_devices=num_processes, num_nodes=num_nodes)  # torchrun's and SLURM's own
+    except ValueError as err:
+        if "HINT" in str(err):  # SLURM's messages already say what to set
+            raise
+        torchrun = type(env).__name__ == "TorchElasticEnvironment"
+        raise ValueError(f"{err} {_launch_fix(num_processes, num_nodes, torchrun)}") from err
+    expected = num_processes * num_nodes
+    world = os.environ.get("WORLD_SIZE")
+    if world is not None and int(world) != expected:
+        raise ValueError(
+            f"You set `devices={num_processes}` and `num_nodes={num_nodes}` in Lightning, but the product"
+            f" ({num_processes} * {num_nodes}) does not match the world size ({world}) of the processes"
+            f" your launcher started. {_launch_fix(num_processes, num_nodes, torchrun=False)}"
+        )
+    if not 0 <= local_rank < num_processes:
+        raise ValueError(
+            f"This process has LOCAL_RANK={local_rank}, but `devices={num_processes}` in Lightning: set"
+            " `devices` to the number of processes the launcher starts per node."
+        )
+    # Right total, wrong split (2 nodes x 1 process launched, `devices=2, num_nodes=1`): only the processes
+    # whose own numbers are out of range can tell; the others then wait for them until `timeout`.
+    if not 0 <= node_rank < num_nodes:
+        raise ValueError(
+            f"This process has NODE_RANK={node_rank}, but `num_nodes={num_nodes}` in Lightning: set"
+            " `num_nodes` to the number of nodes and `devices` to the processes per node the launcher starts."
+        )
+    rank = os.environ.get("RANK")
+    if rank is not None and int(rank) != node_rank * num_processes + local_rank:
+        raise ValueError(
+            f"This process has RANK={rank}, but `devices={num_processes}` and `num_nodes={num_nodes}`"
+            f" in Lightning make it rank {node_rank * num_processes + local_rank} (NODE_RANK"
+            f" {node_rank} x {num_processes} + LOCAL_RANK {local_rank}): set `devices` to the"
+            " processes per node and `num_nodes` to the nodes the launcher starts."
+        )

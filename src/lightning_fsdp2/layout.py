@@ -188,6 +188,10 @@ def local_slice(tensor: Tensor) -> tuple[slice, ...]:
 
     if not isinstance(tensor, DTensor):
         return tuple(slice(0, n) for n in tensor.shape)
+    for placement in tensor.placements:
+        # A partial (pending-reduction) piece is no slice of the whole: torch's arithmetic would call it all of it.
+        if not (placement.is_shard() or placement.is_replicate()):
+            raise NotImplementedError(f"Loading into a DTensor placed as {placement} is not supported.")
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     if tuple(shape) != tuple(tensor.to_local().shape):
         raise NotImplementedError(

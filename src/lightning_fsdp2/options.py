@@ -66,12 +66,14 @@ class ShardOptions:
         offload = cpu_offload if isinstance(cpu_offload, OffloadPolicy) else (CPUOffloadPolicy() if cpu_offload else None)
         return cls(auto_wrap_policy, mixed_precision, reshard_after_forward, offload)
 
-    def check(self, layout: Layout, device: torch.device) -> None:
+    def check_device(self, device: torch.device) -> None:
         if self.offload_policy is not None and device.type == "cpu":
             raise ValueError(
                 "FSDP2Strategy(cpu_offload=True) moves parameters from an accelerator to CPU memory, but this run is"
                 " already on the CPU. Remove `cpu_offload`, or train on GPUs (`accelerator='cuda'`)."
             )
+
+    def check_layout(self, layout: Layout) -> None:
         shard, resharded = layout.shard_size, self.reshard_after_forward
         if not isinstance(resharded, bool) and not (1 < resharded < shard and shard % resharded == 0):
             divisors = [d for d in range(2, shard) if shard % d == 0]
@@ -309,10 +311,14 @@ class StrategyOptions:
             parts[field] = part.from_arguments(**{k: v for k, v in arguments.items() if k in taken})
         return cls(**parts)
 
-    def check(self, layout: Layout, device: torch.device) -> None:
-        """Raise, on every rank alike, for options that cannot work with this layout or on this device."""
-        self.shard.check(layout, device)
+    def check_device(self, device: torch.device) -> None:
+        """Raise, on every rank alike, for options that cannot work on this device (checked first)."""
+        self.shard.check_device(device)
         self.offload_activations.check(device)
+
+    def check_layout(self, layout: Layout) -> None:
+        """Raise, on every rank alike, for options that cannot work with this layout."""
+        self.shard.check_layout(layout)
 
 
 def _int_at_least(n: Any, low: int) -> bool:

@@ -29,11 +29,10 @@ from :class:`~lightning_fsdp2.options.StrategyOptions` (one object per technique
 
 from __future__ import annotations
 
-import os
-from collections.abc import Generator, Mapping
+from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any, Protocol
+from typing import Protocol
 
 import torch
 from torch import nn
@@ -61,7 +60,7 @@ from lightning_fsdp2.blocks import (
 from lightning_fsdp2.layout import Layout
 from lightning_fsdp2.options import StrategyOptions
 from lightning_fsdp2.quantize import shard_quantizing
-from lightning_fsdp2.peft_support import check_peft_supported
+from lightning_fsdp2.peft_support import check_peft_supported, untrainable_reason
 from lightning_fsdp2.wrap import block_names, fsdp_roots, innermost, schedule_blocks, shard_model
 
 
@@ -250,64 +249,6 @@ def no_gradient_sync(module: nn.Module, enabled: bool = True) -> Generator[None,
             group.set_requires_gradient_sync(True, recurse=False)
 
 
-def _launch_fix(num_processes: int, num_nodes: int, torchrun: bool) -> str:
-    """What to set instead of ``devices=num_processes, num_nodes=num_nodes``: from torchrun's own numbers
-    (``LOCAL_WORLD_SIZE``, ``WORLD_SIZE``) under torchrun, else in general terms."""
-    world, local = os.environ.get("WORLD_SIZE"), os.environ.get("LOCAL_WORLD_SIZE")
-    if torchrun and world and local and int(local) > 0 and int(world) % int(local) == 0:
-        nodes = int(world) // int(local)
-        return (f"Set `Trainer(devices={local}, num_nodes={nodes})` (or Fabric's) instead of devices={num_processes},"
-                f" num_nodes={num_nodes}: torchrun started {local} process(es) per node (--nproc-per-node) on"
-                f" {nodes} node(s) (--nnodes).")
-    return (f"Set `devices` (now {num_processes}) to the processes per node and `num_nodes` (now {num_nodes}) to the"
-            " nodes the launcher started (torchrun's --nproc-per-node and --nnodes; SLURM's --ntasks-per-node and"
-            " --nodes).")
-
-
-def validate_external_launch(env: Any, *, num_processes: int, num_nodes: int, local_rank: int, node_rank: int) -> None:
-    """Processes started outside Lightning (torchrun, SLURM, any launcher) must be as many as ``devices *
-    num_nodes``: Lightning's launchers check that, but with no launcher nobody does, and a mismatch trains silently on
-    part of the data or fails in an index. Checked from each rank's own environment before any collective, so every
-    rank raises together."""
-    if env is None or not env.creates_processes_externally:
-        return
-    try:
-        env.validate_settings(num_devices=num_processes, num_nodes=num_nodes)  # torchrun's and SLURM's own
-    except ValueError as err:
-        if "HINT" in str(err):  # SLURM's messages already say what to set
-            raise
-        torchrun = type(env).__name__ == "TorchElasticEnvironment"
-        raise ValueError(f"{err} {_launch_fix(num_processes, num_nodes, torchrun)}") from err
-    expected = num_processes * num_nodes
-    world = os.environ.get("WORLD_SIZE")
-    if world is not None and int(world) != expected:
-        raise ValueError(
-            f"You set `devices={num_processes}` and `num_nodes={num_nodes}` in Lightning, but the product"
-            f" ({num_processes} * {num_nodes}) does not match the world size ({world}) of the processes"
-            f" your launcher started. {_launch_fix(num_processes, num_nodes, torchrun=False)}"
-        )
-    if not 0 <= local_rank < num_processes:
-        raise ValueError(
-            f"This process has LOCAL_RANK={local_rank}, but `devices={num_processes}` in Lightning: set"
-            " `devices` to the number of processes the launcher starts per node."
-        )
-    # Right total, wrong split (2 nodes x 1 process launched, `devices=2, num_nodes=1`): only the processes
-    # whose own numbers are out of range can tell; the others then wait for them until `timeout`.
-    if not 0 <= node_rank < num_nodes:
-        raise ValueError(
-            f"This process has NODE_RANK={node_rank}, but `num_nodes={num_nodes}` in Lightning: set"
-            " `num_nodes` to the number of nodes and `devices` to the processes per node the launcher starts."
-        )
-    rank = os.environ.get("RANK")
-    if rank is not None and int(rank) != node_rank * num_processes + local_rank:
-        raise ValueError(
-            f"This process has RANK={rank}, but `devices={num_processes}` and `num_nodes={num_nodes}`"
-            f" in Lightning make it rank {node_rank * num_processes + local_rank} (NODE_RANK"
-            f" {node_rank} x {num_processes} + LOCAL_RANK {local_rank}): set `devices` to the"
-            " processes per node and `num_nodes` to the nodes the launcher starts."
-        )
-
-
 def check_no_fsdp1(module: nn.Module) -> None:
     """Refuse modules wrapped in FSDP1's ``FullyShardedDataParallel``."""
     from torch.distributed.fsdp import FullyShardedDataParallel
@@ -358,26 +299,6 @@ def check_not_sharded_already(module: nn.Module) -> None:
         " calls fully_shard itself: delete those calls from `configure_model`, keep the model construction (see"
         " docs/comparison.md, 'Moving from them'); run fit/validate/test of one model with one Trainer; after a"
         " set-up that failed part-way (a load that did not fit), or to start over, build the model anew."
-    )
-
-
-def untrainable_reason(module: nn.Module) -> str | None:
-    """Why nothing in ``module`` is trainable, when the reason is its peft adapters made in inference mode
-    (``PeftConfig.from_pretrained`` returns the saved config, with ``inference_mode=True``); else ``None``. Without
-    this the run ends in torch's bare "optimizer got an empty parameter list", or trains nothing silently."""
-    if any(p.requires_grad for p in module.parameters()):
-        return None
-    configs = [getattr(sub, "peft_config", None) for sub in module.modules()]
-    frozen = sorted({name for config in configs if isinstance(config, Mapping)
-                     for name, c in config.items() if getattr(c, "inference_mode", False)})
-    if not frozen:
-        return None
-    return (
-        f"Nothing in {type(module).__name__} is trainable: its peft adapter(s) {frozen} were made with"
-        " inference_mode=True (what PeftConfig.from_pretrained / LoraConfig.from_pretrained return for saved"
-        " adapters), which freezes them, and the base is frozen too. Set `config.inference_mode = False` before"
-        " `get_peft_model`, or load saved adapters with `lightning_fsdp2.lora.load_adapter` into a model made from a"
-        " fresh config."
     )
 
 

@@ -9,7 +9,7 @@ adapters never imports it. Nothing here imports the rest of the package but :mod
 from __future__ import annotations
 
 import functools
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
@@ -243,6 +243,26 @@ def check_peft_supported(module: nn.Module, training: bool) -> None:
                 " only each rank's slice. Train AdaLoRA with another strategy (e.g. 'ddp'); FSDP2Strategy initializes,"
                 " loads, evaluates and exports it."
             )
+
+
+def untrainable_reason(module: nn.Module) -> str | None:
+    """Why nothing in ``module`` is trainable, when the reason is its peft adapters made in inference mode
+    (``PeftConfig.from_pretrained`` returns the saved config, with ``inference_mode=True``); else ``None``. Without
+    this the run ends in torch's bare "optimizer got an empty parameter list", or trains nothing silently."""
+    if any(p.requires_grad for p in module.parameters()):
+        return None
+    configs = [getattr(sub, "peft_config", None) for sub in module.modules()]
+    frozen = sorted({name for config in configs if isinstance(config, Mapping)
+                     for name, c in config.items() if getattr(c, "inference_mode", False)})
+    if not frozen:
+        return None
+    return (
+        f"Nothing in {type(module).__name__} is trainable: its peft adapter(s) {frozen} were made with"
+        " inference_mode=True (what PeftConfig.from_pretrained / LoraConfig.from_pretrained return for saved"
+        " adapters), which freezes them, and the base is frozen too. Set `config.inference_mode = False` before"
+        " `get_peft_model`, or load saved adapters with `lightning_fsdp2.lora.load_adapter` into a model made from a"
+        " fresh config."
+    )
 
 
 # =============================================================================================== layers

@@ -1,8 +1,9 @@
 """QLoRA's frozen base: linear weights stored in 4-bit NF4 (torchao's ``NF4Tensor``), quantized as they are loaded.
 
-``load_pretrained(model, source, quantize="nf4")`` names the weights; when the model is sharded (:func:`shard_quantizing`,
-one step of ``parallel.parallelize``), just before the ``fully_shard`` of each group, that group's weights are read whole from the source (one at a time: at most one tensor
-in high precision), cast to the parameter's dtype, quantized by torchao's ``to_nf4`` and put in place of the parameter.
+``load_pretrained(model, source, quantize="nf4")`` names the weights; when the model is sharded
+(:func:`shard_quantizing`, one step of ``parallel.parallelize``), just before the ``fully_shard`` of each group, that
+group's weights are read whole from the source (one at a time: at most one tensor in high precision), cast to the
+parameter's dtype, quantized by torchao's ``to_nf4`` and put in place of the parameter.
 The ranks share the work: each reads and quantizes every N-th weight of the group and broadcasts the NF4 bytes.
 ``fully_shard`` then splits the quantized tensor along dim 0 at block boundaries (torchao implements the split FSDP2
 uses), so every rank keeps only its shard of the very bytes one process would hold: quantizing each whole tensor
@@ -280,11 +281,11 @@ def shard_quantizing(
         # With one rank per shard group (world size 1, or HSDP with `shard=1`) there is nothing to split, and
         # torchao's NF4 does not take FSDP2's single-rank all-gather (fsdp_post_all_gather receives one output): NF4
         # weights then stay plain, unmanaged by FSDP2.
-        quantized = quantize_weights(loads.take_nf4(module), device)
-        alone = {p for n, p in module.named_parameters() if n in quantized}
-        for _ in shard_groups(module, mesh, ignored_params=alone, **shard):
+        alone = quantize_weights(loads.take_nf4(module), device)
+        for _ in shard_groups(module, mesh, ignored_params={p for n, p in module.named_parameters() if n in alone},
+                              **shard):
             pass
-        return quantized
+        return alone
     quantized: set[str] = set()
     turn = 0  # the ranks' turns go on from group to group, so the work stays spread when groups are small
     for name, _ in shard_groups(module, mesh, **shard):  # each group is sharded once the loop moves on

@@ -22,7 +22,9 @@ The modules: ``files`` (safe reads and atomic writes), ``sources`` (tensors read
 (whole tensors to and from shards), ``module_load`` (``load_state_dict`` of whole tensors on the sharded model, for
 code written for one device), ``plan`` (matching names and shapes), ``pretrained`` (``load_pretrained``),
 ``stream`` (a full checkpoint written as it is gathered), ``formats`` (the two checkpoint formats, as both strategies'
-hooks use them), ``safe_dcp`` (reading DCP directories without unpickling code). They are the package's internals;
+hooks use them), ``background`` (sharded saves written in the background), ``optimizer_keys`` (index- and
+name-keyed optimizer states), ``safe_dcp`` (reading DCP directories without unpickling code). They are the package's
+internals;
 what users call is exported here.
 """
 
