@@ -106,10 +106,6 @@ class Layout:
         return cls(names, tuple(mesh.shape), given=mesh)
 
     # ------------------------------------------------------------------------------------------- sizes and ranks
-    @property
-    def world_size(self) -> int:
-        return math.prod(self.sizes)
-
     def size(self, name: str) -> int:
         """Ranks along dimension ``name`` (1 for a dimension the layout does not have)."""
         return self.sizes[self.names.index(name)] if name in self.names else 1
@@ -151,10 +147,6 @@ class Layout:
         shard, HSDP), its data-parallel dimensions."""
         kept = tuple(name for name in self.names if name in DATA_PARALLEL)
         return mesh if kept == self.names else mesh[kept]
-
-    def describe(self) -> str:
-        """``"replicate 2 x shard 4"``, for messages."""
-        return " x ".join(f"{name} {size}" for name, size in zip(self.names, self.sizes))
 
 
 def split_dims(tensor: Tensor) -> dict[int, int]:

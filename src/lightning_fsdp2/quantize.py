@@ -27,7 +27,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_fsdp2.peft_support import adapter_tensors
-from lightning_fsdp2.wrap import shard_groups
+from lightning_fsdp2.wrap import shard_groups, shard_model
 
 QUANTIZATIONS = ("nf4",)
 NF4_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -282,9 +282,7 @@ def shard_quantizing(
         # torchao's NF4 does not take FSDP2's single-rank all-gather (fsdp_post_all_gather receives one output): NF4
         # weights then stay plain, unmanaged by FSDP2.
         alone = quantize_weights(loads.take_nf4(module), device)
-        for _ in shard_groups(module, mesh, ignored_params={p for n, p in module.named_parameters() if n in alone},
-                              **shard):
-            pass
+        shard_model(module, mesh, ignored_params={p for n, p in module.named_parameters() if n in alone}, **shard)
         return alone
     quantized: set[str] = set()
     turn = 0  # the ranks' turns go on from group to group, so the work stays spread when groups are small
