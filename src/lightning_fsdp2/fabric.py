@@ -55,6 +55,7 @@ from lightning_fsdp2.options import StateDictType, StrategyOptions
 from lightning_fsdp2.parallel import Parallelized, check_not_rebuilt, no_gradient_sync, reshard, untrainable_reason
 from lightning_fsdp2.precision import FabricFSDP2Precision as FSDP2Precision
 from lightning_fsdp2.precision import clip_grad_norm_
+from lightning_fsdp2.tensor_parallel import TensorParallelPlan
 from lightning_fsdp2.wrap import ModulePolicy, root_names
 
 __all__ = ["FSDP2Precision", "FSDP2Strategy"]
@@ -66,7 +67,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
     Takes the sharding and checkpoint arguments of the Trainer's :class:`lightning_fsdp2.FSDP2Strategy`, with the
     same meaning: ``auto_wrap_policy``, ``activation_checkpointing_policy``, ``activation_checkpointing_every``,
     ``activation_checkpointing_save``, ``mixed_precision``, ``reshard_after_forward``, ``cpu_offload``,
-    ``device_mesh``, ``compile``, ``forward_prefetch``, ``backward_prefetch``, ``reshard_last_block``,
+    ``device_mesh``, ``tensor_parallel_size``, ``tensor_parallel_plan``, ``compile``, ``forward_prefetch``, ``backward_prefetch``, ``reshard_last_block``,
     ``offload_activations``, ``unmatched_forward_timeout``, ``meta_init`` (what ``fabric.init_module()`` does when
     ``empty_init`` is not given), ``process_group_backend``, ``timeout``, ``state_dict_type`` and
     ``save_trainable_only``. Not here: ``start_method`` (Fabric starts processes by re-running the script, or
@@ -92,7 +93,9 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         mixed_precision: MixedPrecisionPolicy | None = None,
         reshard_after_forward: bool | int = True,
         cpu_offload: bool | CPUOffloadPolicy = False,
-        device_mesh: tuple[int, int] | DeviceMesh | None = None,
+        device_mesh: tuple[int, int] | tuple[int, int, int] | DeviceMesh | None = None,
+        tensor_parallel_size: int = 1,
+        tensor_parallel_plan: TensorParallelPlan = None,
         activation_checkpointing_every: int = 1,
         activation_checkpointing_save: SavePolicy | None = None,
         compile: bool | dict[str, Any] = False,

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_fsdp2.layout import shard_coordinate
+from lightning_fsdp2.layout import pieces_coordinate
 from lightning_fsdp2.peft_support import modules_holding, peft_dora_rule, peft_lora_rule, peft_tuner_rule
 
 __all__ = [
@@ -288,14 +288,15 @@ def _distinct_rng_per_shard(module: nn.Module) -> Generator[None, None, None]:
         if is_rng_supported_mesh(dtensor.device_mesh):
             yield
             return
-        # The rank's coordinate among the tensor's distinct pieces (from its placements: HSDP's replicas share
-        # one): ranks holding the same shard draw the same values, ranks holding different shards different ones.
-        # The base seed is rank 0's: without `seed_everything` each process starts from its own random seed, and
-        # replicas would then differ.
+        # The rank's coordinate among the distinct pieces the parameters hold (from their placements: HSDP's
+        # replicas share one): ranks holding the same shards draw the same values, ranks holding different shards
+        # different ones. (Parameters tensor parallelism leaves whole are then made equal over each tensor group
+        # afterwards: `tensor_parallel.broadcast_replicas`.) The base seed is rank 0's: without `seed_everything`
+        # each process starts from its own random seed, and replicas would then differ.
         base = torch.tensor([torch.initial_seed() % 2**62], dtype=torch.int64)
         dist.broadcast(base, src=0)
         with torch.random.fork_rng(devices=[]):
-            torch.manual_seed((int(base) + 7919 * shard_coordinate(dtensor)) % 2**63)
+            torch.manual_seed((int(base) + 7919 * pieces_coordinate(module.parameters())) % 2**63)
             yield
 
 

@@ -9,8 +9,11 @@ The dimensions, outermost (slowest-varying rank) first:
 
 * ``"replicate"``: HSDP's replicas; each holds every parameter, sharded within it; gradients are all-reduced across.
 * ``"shard"``: FSDP's shard groups, consecutive ranks; each parameter is split over them.
+* ``"tensor"``: tensor parallelism's groups, the innermost (adjacent ranks, so a group stays inside a node): the
+  layers the plan names are split over them (``tensor_parallel.py``), and they compute one batch together.
 
-Both are *data-parallel*: ranks at different coordinates on them read different batches. A layout is resolved once
+``"replicate"`` and ``"shard"`` are *data-parallel*: ranks at different coordinates on them read different batches;
+ranks that differ only on ``"tensor"`` read the same one. A layout is resolved once
 the processes are known (:meth:`Layout.resolve`, pure: no process group needed) and checked there, on every rank
 alike, before any collective; :meth:`Layout.build_mesh` then makes the ``DeviceMesh`` (a collective).
 """
@@ -18,6 +21,7 @@ alike, before any collective; :meth:`Layout.build_mesh` then makes the ``DeviceM
 from __future__ import annotations
 
 import math
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -26,25 +30,39 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 REPLICATE = "replicate"
 SHARD = "shard"
+TENSOR = "tensor"
 DATA_PARALLEL = (REPLICATE, SHARD)
-"""The dimensions over which ranks read different data (the others, once there are others, share a batch)."""
+"""The dimensions over which ranks read different data (ranks that differ only on the others share a batch)."""
 
-MeshOption = tuple[int, int] | DeviceMesh | None
-"""What ``FSDP2Strategy(device_mesh=...)`` takes: ``None`` (shard over every process), ``(replicate, shard)``, or a
-ready 1-D (shard) or 2-D (replicate, shard) ``DeviceMesh``."""
+MeshOption = tuple[int, int] | tuple[int, int, int] | DeviceMesh | None
+"""What ``FSDP2Strategy(device_mesh=...)`` takes: ``None`` (shard over every process), ``(replicate, shard)``,
+``(replicate, shard, tensor)``, or a ready 1-D (shard), 2-D (replicate, shard) or 3-D (replicate, shard, tensor)
+``DeviceMesh``."""
 
 
 def check_mesh_option(device_mesh: Any) -> MeshOption:
     """``device_mesh`` as the strategies keep it, or a ``TypeError`` saying what it takes (at construction)."""
     if device_mesh is None or isinstance(device_mesh, DeviceMesh):
         return device_mesh
-    if not (isinstance(device_mesh, (tuple, list)) and len(device_mesh) == 2 and all(_positive_int(n) for n in device_mesh)):
+    if not (isinstance(device_mesh, (tuple, list)) and len(device_mesh) in (2, 3)
+            and all(_positive_int(n) for n in device_mesh)):
         raise TypeError(
             f"FSDP2Strategy(device_mesh={device_mesh!r}): pass a tuple (replicate, shard) of two positive ints"
             " (HSDP: each parameter sharded over `shard` ranks, replicated `replicate` times; their product is"
-            " the number of processes), a DeviceMesh, or None to shard over every process."
+            " the number of processes), (replicate, shard, tensor) with tensor parallelism over groups of `tensor`"
+            " ranks, a DeviceMesh, or None to shard over every process."
         )
-    return (device_mesh[0], device_mesh[1])
+    return tuple(device_mesh)  # type: ignore[return-value]
+
+
+def check_tensor_parallel_size(size: Any) -> int:
+    """``tensor_parallel_size`` as the strategies keep it, or a ``TypeError`` (at construction)."""
+    if not _positive_int(size):
+        raise TypeError(
+            f"FSDP2Strategy(tensor_parallel_size={size!r}): a positive int, the ranks each layer the tensor-parallel"
+            " plan names is split over (1, the default: no tensor parallelism)."
+        )
+    return size
 
 
 @dataclass(frozen=True)
@@ -59,50 +77,103 @@ class Layout:
     """The user's own mesh, used as it is by :meth:`build_mesh`."""
 
     @classmethod
-    def resolve(cls, option: MeshOption, world_size: int, devices_per_node: int, device_type: str) -> Layout:
-        """The layout ``FSDP2Strategy(device_mesh=option)`` asks for on ``world_size`` processes, ``devices_per_node``
-        of them per node; a ``ValueError`` that says what to change if it cannot work. Pure: the same on every
-        rank, so every rank raises together, before any collective."""
-        if option is None:
-            return cls((SHARD,), (world_size,))
+    def resolve(
+        cls, option: MeshOption, world_size: int, devices_per_node: int, device_type: str, tensor_parallel_size: int = 1
+    ) -> Layout:
+        """The layout ``FSDP2Strategy(device_mesh=option, tensor_parallel_size=...)`` asks for on ``world_size``
+        processes, ``devices_per_node`` of them per node; a ``ValueError`` that says what to change if it cannot
+        work. Pure: the same on every rank, so every rank raises together, before any collective."""
         if isinstance(option, DeviceMesh):
-            return cls._from_mesh(option, world_size, device_type)
-        replicate, shard = option
-        if replicate * shard != world_size:
+            layout = cls._from_mesh(option, world_size, device_type)
+            if tensor_parallel_size not in (1, layout.tensor_size):
+                raise ValueError(
+                    f"FSDP2Strategy(device_mesh=<{option.ndim}-D mesh>, tensor_parallel_size={tensor_parallel_size}):"
+                    f" the mesh has {layout.tensor_size} rank(s) on its tensor dimension. Give the tensor-parallel size"
+                    " once: as the mesh's third dimension, or as tensor_parallel_size with a 1-D/2-D mesh's tuple."
+                )
+            return layout
+        tensor = tensor_parallel_size
+        if option is not None and len(option) == 3:
+            if tensor_parallel_size not in (1, option[2]):
+                raise ValueError(
+                    f"FSDP2Strategy(device_mesh={option}, tensor_parallel_size={tensor_parallel_size}): give the"
+                    " tensor-parallel size once, as the mesh's third number or as tensor_parallel_size."
+                )
+            tensor = option[2]
+        if option is None:
+            if world_size % tensor:
+                raise ValueError(
+                    f"FSDP2Strategy(tensor_parallel_size={tensor}): {world_size} processes (devices x num_nodes) do"
+                    f" not split into tensor-parallel groups of {tensor}. Choose a tensor_parallel_size that divides"
+                    f" {world_size} (and the devices per node, {devices_per_node})."
+                )
+            replicate, shard = 1, world_size // tensor
+        else:
+            replicate, shard = option[0], option[1]
+        cls._check_fits(option, replicate, shard, tensor, world_size, devices_per_node)
+        names = ((REPLICATE,) if option is not None else ()) + (SHARD,) + ((TENSOR,) if tensor > 1 else ())
+        sizes = ((replicate,) if option is not None else ()) + (shard,) + ((tensor,) if tensor > 1 else ())
+        return cls(names, sizes)
+
+    @staticmethod
+    def _check_fits(
+        option: MeshOption, replicate: int, shard: int, tensor: int, world_size: int, devices_per_node: int
+    ) -> None:
+        shown = f"device_mesh={option}" + (f", tensor_parallel_size={tensor}" if option is None or len(option) == 2 else "")
+        if replicate * shard * tensor != world_size:
+            product = f"{replicate} x {shard}" + (f" x {tensor}" if tensor > 1 else "")
             raise ValueError(
-                f"FSDP2Strategy(device_mesh=({replicate}, {shard})): {replicate} x {shard} = {replicate * shard}, but"
-                f" there are {world_size} processes (devices x num_nodes). Choose (replicate, shard) with"
-                f" replicate x shard = {world_size}, e.g. shard = the devices per node ({devices_per_node}) and"
-                f" replicate = the number of nodes."
+                f"FSDP2Strategy({shown}): {product} = {replicate * shard * tensor}, but there are {world_size}"
+                f" processes (devices x num_nodes). Choose (replicate, shard) with replicate x shard"
+                f"{' x tensor' if tensor > 1 else ''} = {world_size}, e.g. shard = the devices per node"
+                f" ({devices_per_node}{f' / {tensor}' if tensor > 1 else ''}) and replicate = the number of nodes."
+            )
+        # Tensor parallelism talks inside every layer's forward and backward: on the slow link between nodes it would
+        # stall each of them. Its groups are the innermost dimension (adjacent ranks): they stay in one node when
+        # their size divides the devices per node. A ready DeviceMesh is taken as the user built it.
+        if tensor > 1 and devices_per_node % tensor:
+            raise ValueError(
+                f"FSDP2Strategy({shown}): tensor-parallel groups of {tensor} ranks straddle nodes of"
+                f" {devices_per_node} devices, and their collectives run inside every layer. Choose a tensor size that"
+                f" divides the devices per node ({devices_per_node}), or pass a DeviceMesh you built to place them"
+                " yourself."
             )
         # A shard group gathers every parameter in every step: inside one node (or over whole nodes) its traffic
         # stays off, or evenly on, the slow link between nodes. A group that straddles node boundaries unevenly is
         # almost always a mistake in the numbers.
-        if replicate > 1 and devices_per_node % shard and shard % devices_per_node:
+        span = shard * tensor  # consecutive ranks of one replica
+        if replicate > 1 and devices_per_node % span and span % devices_per_node:
             raise ValueError(
-                f"FSDP2Strategy(device_mesh=({replicate}, {shard})): shard groups of {shard} ranks straddle nodes of"
-                f" {devices_per_node} devices. Make `shard` divide the devices per node (HSDP's usual layout: shard ="
-                f" {devices_per_node}, one shard group per node) or a multiple of it (groups of whole nodes)."
+                f"FSDP2Strategy({shown}): shard groups of {shard} ranks straddle nodes of {devices_per_node} devices."
+                f" Make `shard`{' x tensor' if tensor > 1 else ''} divide the devices per node (HSDP's usual layout:"
+                f" shard = {devices_per_node // tensor if devices_per_node % tensor == 0 else devices_per_node},"
+                " one shard group per node) or a multiple of it (groups of whole nodes)."
             )
-        return cls((REPLICATE, SHARD), (replicate, shard))
 
     @classmethod
     def _from_mesh(cls, mesh: DeviceMesh, world_size: int, device_type: str) -> Layout:
         # Full checkpoints are gathered to rank 0 from the shard group of the first replica, pieces in rank order:
         # the ranks must be laid out in order (what init_device_mesh makes), rank 0 first. Its dimensions are named
         # by position, whatever the mesh calls them.
-        if mesh.ndim not in (1, 2) or mesh.mesh.flatten().tolist() != list(range(world_size)):
+        if mesh.ndim not in (1, 2, 3) or mesh.mesh.flatten().tolist() != list(range(world_size)):
             raise ValueError(
                 f"FSDP2Strategy(device_mesh=...) got a {mesh.ndim}-D mesh of ranks {mesh.mesh.tolist()}; it must be"
-                f" 1-D (shard) or 2-D (replicate, shard) over all {world_size} processes in rank order, as"
-                f" `init_device_mesh(device_type, (replicate, shard))` makes it, or pass the tuple (replicate, shard)."
+                f" 1-D (shard), 2-D (replicate, shard) or 3-D (replicate, shard, tensor) over all {world_size}"
+                " processes in rank order, as `init_device_mesh(device_type, (replicate, shard))` makes it, or pass"
+                " the tuple (replicate, shard)."
             )
         if mesh.device_type != device_type:
             raise ValueError(
                 f"FSDP2Strategy(device_mesh=...) got a {mesh.device_type!r} mesh for a run on {device_type!r}:"
                 f" build it with init_device_mesh({device_type!r}, ...), or pass the tuple (replicate, shard)."
             )
-        names = (SHARD,) if mesh.ndim == 1 else (REPLICATE, SHARD)
+        if mesh.ndim == 3 and mesh.mesh_dim_names is None:
+            raise ValueError(
+                "FSDP2Strategy(device_mesh=...) got a 3-D mesh without dimension names: build it with"
+                f" `init_device_mesh({device_type!r}, (replicate, shard, tensor), mesh_dim_names=(\"replicate\","
+                " \"shard\", \"tensor\"))` (any names; they are taken by position), or pass the tuple."
+            )
+        names = ((SHARD,), (REPLICATE, SHARD), (REPLICATE, SHARD, TENSOR))[mesh.ndim - 1]
         return cls(names, tuple(mesh.shape), given=mesh)
 
     # ------------------------------------------------------------------------------------------- sizes and ranks
@@ -114,6 +185,11 @@ class Layout:
     def shard_size(self) -> int:
         """How many ranks each parameter is split over by FSDP (the shard group)."""
         return self.size(SHARD)
+
+    @property
+    def tensor_size(self) -> int:
+        """How many ranks each tensor-parallel layer is split over (1: no tensor parallelism)."""
+        return self.size(TENSOR)
 
     @property
     def data_parallel_size(self) -> int:
@@ -146,7 +222,22 @@ class Layout:
         """The part of ``mesh`` (:meth:`build_mesh`'s) that ``fully_shard`` takes: 1-D (shard) or 2-D (replicate,
         shard, HSDP), its data-parallel dimensions."""
         kept = tuple(name for name in self.names if name in DATA_PARALLEL)
-        return mesh if kept == self.names else mesh[kept]
+        return mesh if kept == self.names else mesh[self._mesh_names(mesh, kept)]
+
+    def tensor_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
+        """The 1-D part of ``mesh`` that tensor parallelism splits layers over, or ``None`` without it."""
+        if self.tensor_size == 1:
+            return None
+        return mesh[self._mesh_names(mesh, (TENSOR,))[0]]
+
+    def _mesh_names(self, mesh: DeviceMesh, names: tuple[str, ...]) -> tuple[str, ...]:
+        """``names`` as ``mesh`` calls its dimensions (a ready mesh may name them otherwise, or not at all)."""
+        if mesh.mesh_dim_names is None:
+            raise ValueError(
+                f"FSDP2Strategy(device_mesh=...) got a mesh without dimension names: build it with"
+                f" `init_device_mesh(..., mesh_dim_names={self.names})`."
+            )
+        return tuple(mesh.mesh_dim_names[self.names.index(name)] for name in names)
 
 
 def split_dims(tensor: Tensor) -> dict[int, int]:
@@ -157,7 +248,15 @@ def split_dims(tensor: Tensor) -> dict[int, int]:
 
     if not isinstance(tensor, DTensor):
         return {}
-    return {mesh_dim: p.dim for mesh_dim, p in enumerate(tensor.placements) if p.is_shard()}  # type: ignore[attr-defined]
+    return {mesh_dim: p.dim for mesh_dim, p in enumerate(tensor.placements) if is_split(p)}  # type: ignore[attr-defined]
+
+
+def is_split(placement: Any) -> bool:
+    """Whether a DTensor placement splits the tensor: ``Shard``, or the ``_StridedShard`` FSDP2 makes when it shards a
+    dimension tensor parallelism split already (each rank's piece is still one contiguous block of the whole)."""
+    from torch.distributed.tensor.placement_types import _StridedShard
+
+    return placement.is_shard() or isinstance(placement, _StridedShard)
 
 
 def shard_coordinate(tensor: Tensor) -> int:
@@ -168,6 +267,25 @@ def shard_coordinate(tensor: Tensor) -> int:
     for mesh_dim in sorted(split_dims(tensor)):
         assert mesh is not None
         index = index * mesh.size(mesh_dim) + mesh.get_local_rank(mesh_dim)
+    return index
+
+
+def pieces_coordinate(tensors: Iterable[Tensor]) -> int:
+    """This rank's index among the distinct combinations of pieces ``tensors`` hold (0 for plain tensors): over every
+    mesh dimension that splits any of them, by name (the data-parallel dimensions split every parameter, the tensor
+    dimension those its plan names), so ranks that hold the same pieces of all of them (HSDP's replicas) share it and
+    ranks that hold different pieces of any one differ. For one FSDP-sharded tensor, :func:`shard_coordinate`."""
+    dims: dict[str, tuple[int, int]] = {}
+    for tensor in tensors:
+        mesh = getattr(tensor, "device_mesh", None)
+        for mesh_dim in split_dims(tensor):
+            assert mesh is not None
+            name = mesh.mesh_dim_names[mesh_dim] if mesh.mesh_dim_names else f"#{mesh_dim}"
+            dims[name] = (mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim))
+    index = 0
+    for name in sorted(dims):
+        rank, size = dims[name]
+        index = index * size + rank
     return index
 
 
@@ -182,7 +300,7 @@ def local_slice(tensor: Tensor) -> tuple[slice, ...]:
         return tuple(slice(0, n) for n in tensor.shape)
     for placement in tensor.placements:
         # A partial (pending-reduction) piece is no slice of the whole: torch's arithmetic would call it all of it.
-        if not (placement.is_shard() or placement.is_replicate()):
+        if not (is_split(placement) or placement.is_replicate()):
             raise NotImplementedError(f"Loading into a DTensor placed as {placement} is not supported.")
     shape, offset = compute_local_shape_and_global_offset(tensor.shape, tensor.device_mesh, tensor.placements)
     if tuple(shape) != tuple(tensor.to_local().shape):

@@ -21,7 +21,8 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
 from lightning_fsdp2.blocks import SavePolicy, check_compile_options, check_save_policy
-from lightning_fsdp2.layout import Layout, MeshOption, check_mesh_option
+from lightning_fsdp2.layout import Layout, MeshOption, check_mesh_option, check_tensor_parallel_size
+from lightning_fsdp2.tensor_parallel import TensorParallelPlan, check_plan_option
 from lightning_fsdp2.wrap import ModulePolicy
 
 StateDictType = Literal["full", "sharded"]
@@ -30,17 +31,29 @@ StateDictType = Literal["full", "sharded"]
 
 @dataclass(frozen=True)
 class LayoutOptions:
-    """How the processes are arranged (``device_mesh``); resolved into a :class:`~lightning_fsdp2.layout.Layout`
-    once the world size is known."""
+    """How the processes are arranged (``device_mesh``, ``tensor_parallel_size``); resolved into a
+    :class:`~lightning_fsdp2.layout.Layout` once the world size is known."""
 
     device_mesh: MeshOption = None
+    tensor_parallel_size: int = 1
 
     @classmethod
-    def from_arguments(cls, *, device_mesh: MeshOption = None) -> LayoutOptions:
-        return cls(check_mesh_option(device_mesh))
+    def from_arguments(cls, *, device_mesh: MeshOption = None, tensor_parallel_size: int = 1) -> LayoutOptions:
+        return cls(check_mesh_option(device_mesh), check_tensor_parallel_size(tensor_parallel_size))
 
     def resolve(self, world_size: int, devices_per_node: int, device_type: str) -> Layout:
-        return Layout.resolve(self.device_mesh, world_size, devices_per_node, device_type)
+        return Layout.resolve(self.device_mesh, world_size, devices_per_node, device_type, self.tensor_parallel_size)
+
+
+@dataclass(frozen=True)
+class TensorParallelOptions:
+    """Which layers tensor parallelism splits, and how (``tensor_parallel_plan``; ``None``: the model's own plan)."""
+
+    plan: TensorParallelPlan = None
+
+    @classmethod
+    def from_arguments(cls, *, tensor_parallel_plan: TensorParallelPlan = None) -> TensorParallelOptions:
+        return cls(check_plan_option(tensor_parallel_plan))
 
 
 @dataclass(frozen=True)
@@ -259,6 +272,7 @@ class SaveOptions:
 
 _PARTS: dict[str, type] = {
     "layout": LayoutOptions,
+    "tensor_parallel": TensorParallelOptions,
     "shard": ShardOptions,
     "checkpointing": CheckpointingOptions,
     "compile": CompileOptions,
@@ -276,6 +290,7 @@ class StrategyOptions:
     """Every technique's options (see the classes above), as both front-ends keep them."""
 
     layout: LayoutOptions = LayoutOptions()
+    tensor_parallel: TensorParallelOptions = TensorParallelOptions()
     shard: ShardOptions = ShardOptions()
     checkpointing: CheckpointingOptions = CheckpointingOptions()
     compile: CompileOptions = CompileOptions()
@@ -319,6 +334,30 @@ class StrategyOptions:
     def check_layout(self, layout: Layout) -> None:
         """Raise, on every rank alike, for options that cannot work with this layout."""
         self.shard.check_layout(layout)
+        self.check_tensor_parallel(layout)
+
+    def check_tensor_parallel(self, layout: Layout) -> None:
+        """Refuse, by name, what does not run with tensor parallelism (yet), and a plan without it."""
+        if layout.tensor_size == 1:
+            if self.tensor_parallel.plan is not None:
+                raise ValueError(
+                    "FSDP2Strategy(tensor_parallel_plan=...) is given, but the layout has no tensor dimension: pass"
+                    " tensor_parallel_size=N (or device_mesh=(replicate, shard, tensor)) as well, or drop the plan."
+                )
+            return
+        refused = {
+            "compile": self.compile.kwargs is not None,
+            "cpu_offload": self.shard.offload_policy is not None,
+            "activation_checkpointing_save": self.checkpointing.save is not None,
+        }
+        named = [name for name, given in refused.items() if given]
+        if named:
+            raise ValueError(
+                f"FSDP2Strategy({', '.join(f'{n}=...' for n in named)}) does not run with tensor parallelism"
+                f" (tensor size {layout.tensor_size}) yet. Drop {' and '.join(named)}, or train without tensor"
+                " parallelism (tensor_parallel_size=1). Whole-block activation checkpointing"
+                " (activation_checkpointing_policy) does run with it."
+            )
 
 
 def _int_at_least(n: Any, low: int) -> bool:

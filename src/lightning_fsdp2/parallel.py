@@ -11,16 +11,18 @@ in the module named):
 2. the precision plugin converts the module (``*-true``: parameters stored in bf16/fp16; on ``meta`` only metadata);
 3. :func:`broadcast_real_tensors`: tensors built for real are made the same on every rank (rank 0's), so shards of
    one tensor fit together;
-4. :func:`apply_checkpointing_and_compile`: activation checkpointing, then ``torch.compile`` of each block
+4. ``tensor_parallel.apply_tensor_parallel``: with a tensor dimension in the layout, the layers the plan names are
+   split over it (the model's own plan, or ``tensor_parallel_plan``), LoRA adapters with them;
+5. :func:`apply_checkpointing_and_compile`: activation checkpointing, then ``torch.compile`` of each block
    (``blocks.py``), before any FSDP hook exists;
-5. :func:`apply_fully_shard`: ``fully_shard`` bottom-up, then the roots (``wrap.py``), over the layout's
+6. :func:`apply_fully_shard`: ``fully_shard`` bottom-up, then the roots (``wrap.py``), over the layout's
    data-parallel mesh; weights loaded with ``quantize="nf4"`` are quantized group by group (``quantize.py``);
-6. ``wrap.schedule_blocks`` (prefetching) and :func:`apply_root_hooks` (activation offloading, the roots' forwards
+7. ``wrap.schedule_blocks`` (prefetching) and :func:`apply_root_hooks` (activation offloading, the roots' forwards
    outside training made to wait for every rank for a bounded time: ``lockstep.py``);
-7. :func:`apply_values`: each rank materializes its own shards, initializes what no pretrained weights cover
-   (``init.py``), loads the slices ``load_pretrained`` declared (``checkpoint/pretrained.py``), derives what depends
+8. :func:`apply_values`: each rank materializes its own shards, initializes what no pretrained weights cover
+   (``init.py``; what tensor parallelism leaves whole made equal over each tensor group), loads the slices ``load_pretrained`` declared (``checkpoint/pretrained.py``), derives what depends
    on them (DoRA magnitudes), then checks nothing was left unset;
-8. ``load_state_dict`` hooks let code written for one device load whole tensors into the shards
+9. ``load_state_dict`` hooks let code written for one device load whole tensors into the shards
    (``checkpoint/module_load.py``).
 
 Which ranks hold what comes from the :class:`~lightning_fsdp2.layout.Layout` (named mesh dimensions), and the options
@@ -61,6 +63,7 @@ from lightning_fsdp2.layout import Layout
 from lightning_fsdp2.options import StrategyOptions
 from lightning_fsdp2.quantize import shard_quantizing
 from lightning_fsdp2.peft_support import check_peft_supported, untrainable_reason
+from lightning_fsdp2.tensor_parallel import apply_tensor_parallel, broadcast_replicas
 from lightning_fsdp2.wrap import block_names, fsdp_roots, innermost, schedule_blocks, shard_model
 
 
@@ -106,8 +109,11 @@ def parallelize(
     are (the Trainer's ``LightningModule``, whose steps call ``self.model``; see :func:`wrap.shard_model`).
     """
     check_can_parallelize(module, training)
+    tensor_mesh = layout.tensor_mesh(mesh)
+    check_tensor_parallel_loads(pretrained, tensor_mesh)
     module = precision.convert_module(module)
     broadcast_real_tensors(module, device)
+    apply_tensor_parallel(module, tensor_mesh, options.tensor_parallel.plan)
     blocks = innermost(block_names(module, options.shard.auto_wrap_policy))
     apply_checkpointing_and_compile(module, blocks, options)
     quantized = apply_fully_shard(module, layout.fsdp_mesh(mesh), layout, options, precision, pretrained, device,
@@ -115,7 +121,7 @@ def parallelize(
     schedule_blocks(module, blocks, forward=options.prefetch.forward, backward=options.prefetch.backward,
                     reshard_last=options.prefetch.reshard_last_block)
     apply_root_hooks(module, options)
-    initialized = apply_values(module, options, pretrained, device)
+    initialized = apply_values(module, options, pretrained, device, tensor_mesh)
     install_load_hooks(module)  # module.load_state_dict of whole tensors from here on (code written for one device)
     return Parallelized(initialized=frozenset(initialized), quantized=frozenset(quantized))
 
@@ -189,11 +195,16 @@ def apply_root_hooks(module: nn.Module, options: StrategyOptions) -> None:
 
 
 def apply_values(
-    module: nn.Module, options: StrategyOptions, pretrained: PlannedLoads, device: torch.device
+    module: nn.Module,
+    options: StrategyOptions,
+    pretrained: PlannedLoads,
+    device: torch.device,
+    tensor_mesh: DeviceMesh | None = None,
 ) -> list[str]:
-    """Each rank materializes its own shards, initializes what no pretrained weights cover (``init.py``), loads the
-    slices ``load_pretrained`` declared (``checkpoint/pretrained.py``), derives what depends on them (DoRA
-    magnitudes), then checks nothing was left unset; return the names initialized by the init rules."""
+    """Each rank materializes its own shards, initializes what no pretrained weights cover (``init.py``; what
+    tensor parallelism leaves whole made equal over each tensor group of ``tensor_mesh``), loads the slices
+    ``load_pretrained`` declared (``checkpoint/pretrained.py``), derives what depends on them (DoRA magnitudes),
+    then checks nothing was left unset; return the names initialized by the init rules."""
     # Offloaded shards live in CPU memory; FSDP2 copies them to the device when it gathers them.
     storage = torch.device("cpu") if options.shard.offload_policy is not None else device
     loaded = pretrained.covered
@@ -202,6 +213,7 @@ def apply_values(
     # element of their shards is copied from the file (or the load raises). At scale that saves minutes.
     to_initialize = [name for name in materialized if name not in loaded]
     initialize_module(module, to_initialize)
+    broadcast_replicas(module, to_initialize, tensor_mesh)
     pretrained.run(module)
     initialize_from_loaded(module, to_initialize)  # DoRA magnitudes: norms of the loaded base weights
     check_initialized(module, to_initialize, device)
@@ -300,6 +312,17 @@ def check_not_sharded_already(module: nn.Module) -> None:
         " docs/comparison.md, 'Moving from them'); run fit/validate/test of one model with one Trainer; after a"
         " set-up that failed part-way (a load that did not fit), or to start over, build the model anew."
     )
+
+
+def check_tensor_parallel_loads(pretrained: PlannedLoads, tensor_mesh: DeviceMesh | None) -> None:
+    """Refuse QLoRA (``load_pretrained(..., quantize="nf4")``) with tensor parallelism: NF4 weights are quantized per
+    whole FSDP shard, and a layer split by the plan has no whole rows to quantize on one rank."""
+    if tensor_mesh is not None and pretrained.quantizes:
+        raise ValueError(
+            "load_pretrained(..., quantize='nf4') (QLoRA) does not run with tensor parallelism: NF4 quantizes the FSDP"
+            " shards of whole weights, and the plan splits them first. Drop tensor_parallel_size (QLoRA already"
+            " keeps the base at 4 bits per weight), or load the base unquantized."
+        )
 
 
 def check_trainable(module: nn.Module) -> None:

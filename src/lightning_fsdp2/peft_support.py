@@ -266,6 +266,15 @@ def untrainable_reason(module: nn.Module) -> str | None:
 
 
 # =============================================================================================== layers
+def is_tuner_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a peft tuner layer (a base layer wrapped with its adapters, e.g. ``lora.Linear``)."""
+    try:
+        from peft.tuners.tuners_utils import BaseTunerLayer
+    except ImportError:
+        return False
+    return isinstance(module, BaseTunerLayer)
+
+
 def names_inside_adapter_layers(model: nn.Module) -> set[str]:
     """Qualified names of the modules strictly below a peft tuner layer (e.g. ``...q_proj.lora_A.default``)."""
     try:
@@ -277,6 +286,36 @@ def names_inside_adapter_layers(model: nn.Module) -> set[str]:
         if isinstance(module, BaseTunerLayer):
             inside.update(f"{name}.{sub}" for sub, _ in module.named_modules() if sub)
     return inside
+
+
+def check_tensor_parallel_adapter(layer: nn.Module, name: str, style: Any) -> None:
+    """Refuse, before anything is allocated, a peft layer on a layer the tensor-parallel plan splits that peft's TP
+    code does not split with it: anything but LoRA (no DoRA, no LoRA on embeddings) behind a ``"colwise"`` or
+    ``"rowwise"`` base."""
+    from peft.tuners.lora import Linear as LoraLinear
+
+    dora = isinstance(layer, LoraLinear) and any(layer.use_dora.values())
+    if isinstance(layer, LoraLinear) and style in ("colwise", "rowwise") and not dora:
+        return
+    what = "DoRA" if dora else ("LoRA" if isinstance(layer, LoraLinear) else f"peft's {type(layer).__name__}")
+    raise ValueError(
+        f"{name}: {what} on a layer the tensor-parallel plan splits ({style!r}) is not supported; peft splits LoRA"
+        " adapters (without DoRA) behind 'colwise' and 'rowwise' layers only. Leave this layer out of the adapter's"
+        " target_modules, or out of the plan (tensor_parallel_plan={...} without it)."
+    )
+
+
+def shard_lora_adapters(layer: nn.Module, style: str, mesh: Any, name: str) -> None:
+    """Split ``layer``'s LoRA adapters as peft does behind a tensor-parallel base (``add_lora_tp_hooks_dtensor``):
+    behind a colwise base (output features split) ``lora_B`` is split the same way and ``lora_A`` stays whole;
+    behind a rowwise base (input features split) ``lora_A`` is split and ``lora_B`` stays whole, so the adapter's
+    output has the base's layout and the two add up."""
+    from peft.tuners.lora.model import add_lora_tp_hooks_dtensor
+
+    half = layer.lora_B if style == "colwise" else layer.lora_A
+    for adapter in list(half.keys()):
+        add_lora_tp_hooks_dtensor(half[adapter], style, mesh, base_layer=layer.get_base_layer(),
+                                  module_name=f"{name}.{'lora_B' if style == 'colwise' else 'lora_A'}.{adapter}")
 
 
 # =============================================================================================== init rules

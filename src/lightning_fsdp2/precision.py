@@ -31,6 +31,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 import lightning.pytorch as pl
+from lightning_fsdp2.layout import is_split
 from lightning_fsdp2.peft_support import adapter_tensors
 
 FSDP2PrecisionType = Literal["32-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed"]
@@ -257,16 +258,24 @@ def clip_grad_norm_(
 
     With FSDP2 each rank holds a shard of every gradient (a ``DTensor``). The norm that decides the clipping factor
     must be the norm over all shards, or ranks would scale their pieces of one gradient differently. The norm of
-    sharded gradients is a partial ``DTensor``; ``full_tensor()`` all-reduces it into the global norm. All gradients
-    must be of one kind (all sharded on one mesh, or all plain), as they are under FSDP2Strategy.
-    ``error_if_nonfinite`` raises when that norm is NaN or infinite, as torch's own clipping does (a host sync).
+    sharded gradients is a partial ``DTensor``; ``full_tensor()`` reduces it into the global norm. With tensor
+    parallelism the gradients live on two meshes (data-parallel x tensor for the split layers, data-parallel for the
+    rest), which one norm cannot mix: each kind's norm is reduced over its own mesh, then they are combined, so every
+    element counts once. ``error_if_nonfinite`` raises when that norm is NaN or infinite, as torch's own clipping
+    does (a host sync).
     """
     grads = [p.grad for p in parameters if p.grad is not None]
     if not grads:
         return torch.tensor(0.0)
-    total_norm = torch.nn.utils.get_total_norm(grads, norm_type=norm_type)
-    if isinstance(total_norm, DTensor):
-        total_norm = total_norm.full_tensor()
+    kinds: dict[Any, list[Tensor]] = {}
+    for grad in grads:  # same mesh and same split mesh dimensions: norms that stack and reduce alike
+        key = (grad.device_mesh, tuple(is_split(p) for p in grad.placements)) if isinstance(grad, DTensor) else None
+        kinds.setdefault(key, []).append(grad)
+    norms = []
+    for kind in kinds.values():
+        norm = torch.nn.utils.get_total_norm(kind, norm_type=norm_type)
+        norms.append(norm.full_tensor() if isinstance(norm, DTensor) else norm)
+    total_norm = norms[0] if len(norms) == 1 else torch.linalg.vector_norm(torch.stack(norms), norm_type)
     if error_if_nonfinite and not torch.isfinite(total_norm):
         raise RuntimeError(
             f"The total norm of order {float(norm_type)} of the gradients is non-finite, so they cannot be clipped."

@@ -45,6 +45,7 @@ from lightning_fsdp2.checkpoint.stream import sharded_entries
 from lightning_fsdp2.options import StateDictType, StrategyOptions
 from lightning_fsdp2.parallel import Parallelized, check_not_rebuilt, no_gradient_sync
 from lightning_fsdp2.precision import FSDP2Precision
+from lightning_fsdp2.tensor_parallel import TensorParallelPlan
 from lightning_fsdp2.wrap import ModulePolicy
 
 if TYPE_CHECKING:
@@ -101,6 +102,18 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
             shard`` must be the number of processes and ``shard`` divide the devices per node (or be a multiple of
             them). A ready ``DeviceMesh`` (1-D, or 2-D as ``(replicate, shard)``, over every rank in order, as
             ``init_device_mesh`` makes it) is used as it is; it needs a process group started by the launcher.
+            ``(replicate, shard, tensor)`` (or a ready 3-D mesh): tensor parallelism over groups of ``tensor``
+            adjacent ranks as well.
+        tensor_parallel_size: split the layers of the tensor-parallel plan over groups of this many adjacent ranks
+            (inside a node; it must divide the devices per node), and shard with FSDP2 over the rest (1, default: no
+            tensor parallelism). The ranks of a group compute one batch together: ``distributed_sampler_kwargs``
+            count data-parallel ranks only.
+        tensor_parallel_plan: which layers tensor parallelism splits: ``None`` (default) uses a Hugging Face model's
+            own plan (``base_model_tp_plan``) with transformers' styles; a dict of module-name patterns (``*`` for one
+            name part, names as ``named_modules()`` of the LightningModule) to transformers' style names
+            (``"colwise"``, ``"rowwise"``, ``"embedding_rowwise"``...) or torch ``ParallelStyle`` objects; or a
+            callable ``(model, tensor_mesh)`` that parallelizes the model itself. LoRA adapters on split layers are
+            split as peft does.
         meta_init: build parameters on ``meta`` in ``configure_model`` (default). ``False`` builds them for real on
             the CPU first and shards them afterwards (every rank then holds the whole model for a moment).
         process_group_backend: ``"gloo"``, ``"nccl"``...; default from the device (gloo on CPU, nccl on CUDA).
@@ -132,7 +145,9 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         mixed_precision: MixedPrecisionPolicy | None = None,
         reshard_after_forward: bool | int = True,
         cpu_offload: bool | CPUOffloadPolicy = False,
-        device_mesh: tuple[int, int] | DeviceMesh | None = None,
+        device_mesh: tuple[int, int] | tuple[int, int, int] | DeviceMesh | None = None,
+        tensor_parallel_size: int = 1,
+        tensor_parallel_plan: TensorParallelPlan = None,
         activation_checkpointing_every: int = 1,
         activation_checkpointing_save: SavePolicy | None = None,
         compile: bool | dict[str, Any] = False,

@@ -95,11 +95,12 @@ def _gather(tensor: Tensor, mode: Literal["copy", "view", "discard"], scratch: T
     if shard_dim is None:
         full = tensor.full_tensor()  # a layout FSDP2 does not make by default: the general (all-gather) path
         return full.to("cpu", copy=True).contiguous() if keep else None
-    if any(mesh.get_local_rank(d) != 0 for d in range(mesh.ndim) if d != shard_dim):
-        # Replicated over the other mesh dimensions (HSDP's replicas): every replica holds the same pieces, so only
-        # the group of replica 0 (which holds rank 0) sends them; the other replicas have nothing to do.
-        return None
     group, world = mesh.get_group(shard_dim), mesh.size(shard_dim)
+    if not dist.is_initialized() or 0 not in dist.get_process_group_ranks(group):
+        # Replicated over the other mesh dimensions (HSDP's replicas; a tensor group's ranks, for a parameter tensor
+        # parallelism leaves whole, which lives on the data-parallel mesh alone): every group of the split dimension
+        # holds the same pieces, so only the one that holds rank 0 sends them; the others have nothing to do.
+        return None
     rows = tensor.shape[0]
     chunk = math.ceil(rows / world)
     # With CPU offload the shards live in CPU memory, but NCCL only moves device memory.

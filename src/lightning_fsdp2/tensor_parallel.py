@@ -1,0 +1,346 @@
+"""Tensor parallelism: the layers a plan names are split over the layout's ``"tensor"`` ranks, before FSDP2 shards
+what each rank holds over the data-parallel ranks (torchtitan's order: TP, then checkpointing/compile, then FSDP).
+
+The plan comes from the model. A Hugging Face model ships one (its config's ``base_model_tp_plan`` and its class's
+``_tp_plan``: Llama's q/k/v/gate/up colwise, o/down rowwise, the embeddings vocab-parallel, the head colwise with its
+output gathered); transformers' own styles apply it (``transformers.distributed.tensor_parallel``: each parameter
+becomes a ``DTensor`` on the tensor mesh, each module's forward turns its inputs and outputs into the layouts the
+next layer expects). Any model can be given a plan instead: module-name patterns to transformers' style names or
+torch ``ParallelStyle`` objects, or a callable ``(model, tensor_mesh)`` that parallelizes it itself.
+
+Why it composes with FSDP2: a parameter split here is a ``DTensor`` on the tensor mesh, and ``fully_shard`` over the
+data-parallel mesh (a sibling sub-mesh of the same device mesh) shards each rank's piece again, so checkpoints,
+loads and gathers see one ``DTensor`` per parameter with both placements. Parameters the plan leaves whole (norms,
+LoRA's replicated half) are the same on every rank of a tensor group: their gradients come out the same there (the
+inputs of the split layers are all-reduced in backward), so FSDP2's data-parallel reduction is all they need.
+
+peft's LoRA layers on a split layer follow peft's own TP code (``peft_support.shard_lora_adapters``): behind a
+colwise base ``lora_B`` is split like it and ``lora_A`` stays whole; behind a rowwise base the reverse.
+
+Everything here runs on ``meta`` (transformers' styles only make placeholders there), before anything is allocated.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable, Iterable, Mapping
+from typing import Any, Union
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+from torch.distributed.device_mesh import DeviceMesh
+
+from lightning_fsdp2.layout import is_split
+from lightning_fsdp2.peft_support import (
+    check_tensor_parallel_adapter,
+    is_tuner_layer,
+    names_inside_adapter_layers,
+    shard_lora_adapters,
+)
+
+TensorParallelPlan = Union[Mapping[str, Any], Callable[[nn.Module, DeviceMesh], Any], None]
+"""What ``FSDP2Strategy(tensor_parallel_plan=...)`` takes: ``None`` (the Hugging Face model's own plan), a mapping of
+module-name patterns (``*`` for one name part, e.g. a layer number) to transformers' style names (``"colwise"``,
+``"rowwise"``, ``"embedding_rowwise"``, ...) or torch ``ParallelStyle`` objects, or a callable ``(model,
+tensor_mesh)``."""
+
+
+def check_plan_option(plan: Any) -> TensorParallelPlan:
+    """``tensor_parallel_plan`` as the strategies keep it, or a ``TypeError`` saying what it takes (at construction)."""
+    if plan is None or (callable(plan) and not isinstance(plan, Mapping)):
+        return plan
+    if isinstance(plan, Mapping) and plan:
+        from torch.distributed.tensor.parallel import ParallelStyle
+
+        bad = {k: v for k, v in plan.items() if not isinstance(k, str) or not isinstance(v, (str, ParallelStyle))}
+        if not bad:
+            unknown = sorted({v for v in plan.values() if isinstance(v, str) and v not in _style_names()})
+            if unknown:
+                raise ValueError(
+                    f"FSDP2Strategy(tensor_parallel_plan=...): unknown style name(s) {unknown}; transformers' styles"
+                    f" are {sorted(_style_names())}, or pass torch ParallelStyle objects (ColwiseParallel(), ...)."
+                )
+            return dict(plan)
+    raise TypeError(
+        f"FSDP2Strategy(tensor_parallel_plan={plan!r}): pass a dict of module-name patterns to style names or torch"
+        " ParallelStyle objects (e.g. {'layers.*.linear1': 'colwise', 'layers.*.linear2': 'rowwise'}), a callable"
+        " (model, tensor_mesh) that parallelizes the model itself, or None for a Hugging Face model's own plan."
+    )
+
+
+def _style_names() -> set[str]:
+    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+    return set(ALL_PARALLEL_STYLES.keys())
+
+
+# =============================================================================================== the step
+def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh | None, plan: TensorParallelPlan) -> list[str]:
+    """Split the layers ``plan`` names (the models' own plans when ``None``) over ``mesh``, the layout's tensor
+    dimension; return the names of the parameters split. Nothing without a tensor dimension (``mesh`` ``None``).
+
+    Every rank built the same model, so every check raises on every rank alike, before anything is allocated.
+    Afterwards the ranks of a tensor group draw the same random numbers (dropout on the activations they share must
+    drop the same elements)."""
+    if mesh is None:
+        return []
+    tied = _tied_parameters(module)
+    if callable(plan):
+        plan(module, mesh)
+    else:
+        steps = plan_steps(module, plan)
+        check_heads(module, steps, mesh.size())
+        for step in steps:
+            step.apply(mesh)
+    _retie(module, tied)
+    split = split_parameter_names(module, mesh)
+    if not split:
+        raise ValueError(
+            f"FSDP2Strategy(tensor_parallel_size={mesh.size()}): the tensor-parallel plan split no parameter of"
+            f" {_model_names(module)}. Pass tensor_parallel_plan={{...}} naming its linear layers (module names as in"
+            " named_modules(), `*` for a layer number), or a callable (model, tensor_mesh)."
+        )
+    check_divisible(module, mesh)
+    share_random_state(mesh)
+    return split
+
+
+class _Step:
+    """One layer of the plan: transformers' style (by name) or a torch ``ParallelStyle`` on module ``name`` of
+    ``root``; for a peft tuner layer, the style goes on its base layer and its adapters follow peft's TP code."""
+
+    def __init__(self, root: nn.Module, name: str, style: Any, params: list[str]) -> None:
+        self.root, self.name, self.style, self.params = root, name, style, params
+
+    def apply(self, mesh: DeviceMesh) -> None:
+        from torch.distributed.tensor.parallel import ParallelStyle, parallelize_module
+
+        module = self.root.get_submodule(self.name)
+        if isinstance(self.style, ParallelStyle):
+            parallelize_module(module, mesh, self.style)
+            return
+        from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
+
+        style = ALL_PARALLEL_STYLES[self.style]
+        adapters = is_tuner_layer(module)
+        target = module.get_base_layer() if adapters else module
+        for param in self.params:
+            style.shard_param(target, param, mesh)
+        style.install_forward(target, mesh)
+        if adapters:
+            shard_lora_adapters(module, self.style, mesh, self.name)
+
+
+def plan_steps(module: nn.Module, plan: Mapping[str, Any] | None) -> list[_Step]:
+    """The layers to split, each with its style: the user's ``plan`` matched against ``module``'s module names, or
+    (``None``) every outermost Hugging Face model's own plan, expanded by transformers to its concrete layers."""
+    steps = _user_steps(module, plan) if plan is not None else _model_steps(module)
+    for step in steps:
+        layer = step.root.get_submodule(step.name)
+        if is_tuner_layer(layer):
+            check_tensor_parallel_adapter(layer, step.name, step.style)
+    return steps
+
+
+def _user_steps(module: nn.Module, plan: Mapping[str, Any]) -> list[_Step]:
+    patterns = {key: re.compile(re.escape(key).replace(r"\*", r"[^.]+")) for key in plan}
+    inside = names_inside_adapter_layers(module)
+    steps, used = [], set()
+    for name, sub in module.named_modules():
+        if name in inside:
+            continue
+        key = next((k for k, pattern in patterns.items() if pattern.fullmatch(name)), None)
+        if key is None:
+            continue
+        used.add(key)
+        target = sub.get_base_layer() if is_tuner_layer(sub) else sub
+        steps.append(_Step(module, name, plan[key], [n for n, _ in target.named_parameters(recurse=False)]))
+    unused = [k for k in plan if k not in used]
+    if unused:
+        raise ValueError(
+            f"FSDP2Strategy(tensor_parallel_plan=...): {unused} match no module of {_model_names(module)}. Keys are"
+            " module names as `named_modules()` gives them from the module the strategy sets up (the LightningModule,"
+            " e.g. 'model.layers.*.mlp.up_proj'; Fabric: the module given to setup_module), `*` for one name part."
+        )
+    return steps
+
+
+def _model_steps(module: nn.Module) -> list[_Step]:
+    """Transformers' expansion of each outermost ``PreTrainedModel``'s plan: its parameter entries (sharded) and module
+    entries (hooked), here grouped per module; a peft layer's entry is taken to its base layer."""
+    steps = []
+    for prefix, model in _outermost_models(module):
+        rules = dict(getattr(model, "tp_plan", None) or {})
+        if not rules:
+            continue
+        expanded = model._expand_parallel_plan(rules)  # transformers' own wildcard expansion, on this model's names
+        modules, inside = dict(model.named_modules()), names_inside_adapter_layers(model)
+        for name, style in expanded.items():
+            if name not in modules or name in inside:
+                continue  # a parameter's entry: taken with its module's below
+            layer = modules[name]
+            if is_tuner_layer(layer):  # peft wrapped the layer after transformers planned it: all of its base's
+                params = [p for p, _ in layer.get_base_layer().named_parameters(recurse=False)]
+            else:
+                params = [p for p, _ in layer.named_parameters(recurse=False) if f"{name}.{p}" in expanded]
+            steps.append(_Step(module, f"{prefix}.{name}" if prefix else name, style, params))
+    if not steps:
+        raise ValueError(
+            f"FSDP2Strategy(tensor_parallel_size>1): {_model_names(module)} has no tensor-parallel plan (a Hugging Face"
+            " model's config carries one as `base_model_tp_plan`) and none was given. Pass"
+            " tensor_parallel_plan={'layers.*.linear1': 'colwise', 'layers.*.linear2': 'rowwise', ...} (module"
+            " names as in named_modules(), `*` for a layer number; transformers' style names or torch"
+            " ParallelStyle objects), or a callable (model, tensor_mesh)."
+        )
+    return steps
+
+
+# =============================================================================================== checks
+def check_heads(module: nn.Module, steps: list[_Step], size: int) -> None:
+    """Each rank of a tensor group computes whole attention heads: the plan's models' head counts must divide by
+    ``size``."""
+    split = {step.name.rsplit(".", 1)[-1] for step in steps}
+    for _, model in _outermost_models(module):
+        config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+        heads = getattr(config, "num_attention_heads", None)
+        kv_heads = getattr(config, "num_key_value_heads", None) or heads
+        if not isinstance(heads, int) or not split & {"q_proj", "k_proj", "v_proj", "qkv_proj", "query_key_value"}:
+            continue
+        if heads % size or kv_heads % size:
+            fits = [d for d in range(2, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0]
+            raise ValueError(
+                f"FSDP2Strategy(tensor_parallel_size={size}): {type(model).__name__} has {heads} attention heads and"
+                f" {kv_heads} key/value heads, and each rank of a tensor group computes whole heads: the size must"
+                f" divide both. Choose a tensor_parallel_size among {fits or [1]}."
+            )
+
+
+def check_divisible(module: nn.Module, mesh: DeviceMesh) -> None:
+    """Every split dimension divides evenly over the tensor group (the uneven pieces transformers allows would leave
+    the last rank short, which FSDP2's sharding and our slice arithmetic do not follow)."""
+    from torch.distributed.tensor import DTensor
+
+    uneven = []
+    for name, param in module.named_parameters():
+        if isinstance(param, DTensor):
+            for placement in param.placements:
+                dim = getattr(placement, "dim", None)
+                if is_split(placement) and param.shape[dim] % mesh.size():
+                    uneven.append(f"{name} {tuple(param.shape)} on dim {dim}")
+    if uneven:
+        raise ValueError(
+            f"FSDP2Strategy(tensor_parallel_size={mesh.size()}): these parameters do not split evenly over"
+            f" {mesh.size()} ranks: {uneven[:5]}{' ...' if len(uneven) > 5 else ''}. Choose a tensor_parallel_size"
+            " that divides their sizes (e.g. pad the vocabulary to a multiple), or leave those layers out of the plan."
+        )
+
+
+# =============================================================================================== after the split
+def split_parameter_names(module: nn.Module, mesh: DeviceMesh) -> list[str]:
+    """Names of the parameters of ``module`` that ``mesh`` (the tensor dimension) splits."""
+    return [name for name, param in module.named_parameters() if splits_on(param, mesh)]
+
+
+def splits_on(tensor: Tensor, mesh: DeviceMesh) -> bool:
+    """Whether ``tensor`` is a ``DTensor`` split along ``mesh``'s (1-D) dimension, whatever mesh it lives on (the
+    tensor mesh itself before ``fully_shard``, the data-parallel x tensor mesh after)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(tensor, DTensor):
+        return False
+    names = tensor.device_mesh.mesh_dim_names or ()
+    name = (mesh.mesh_dim_names or (None,))[0]
+    return any(n == name and is_split(p) for n, p in zip(names, tensor.placements))
+
+
+@torch.no_grad()
+def broadcast_replicas(module: nn.Module, names: Iterable[str], mesh: DeviceMesh | None) -> None:
+    """Make the tensors ``names`` that the tensor dimension does not split the same on every rank of a tensor group
+    (tensor rank 0's values): each rank drew its own random values for them, and a replicated weight that differs
+    between the ranks computing one batch would give each rank another model. One tensor at a time, in name order
+    (the same on every rank)."""
+    if mesh is None:
+        return
+    from torch.distributed.tensor import DTensor
+
+    tensors = dict(module.named_parameters())
+    tensors.update(module.named_buffers())
+    group = mesh.get_group()
+    source = dist.get_global_rank(group, 0)
+    for name in sorted(names):
+        tensor = tensors[name]
+        if splits_on(tensor, mesh):
+            continue
+        local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
+        staged = local if local.device.type == mesh.device_type else local.to(mesh.device_type)
+        dist.broadcast(staged, src=source, group=group)
+        if staged is not local:
+            local.copy_(staged)
+
+
+def share_random_state(mesh: DeviceMesh) -> None:
+    """Give every rank of a tensor group tensor rank 0's random state: dropout on the activations they share (the
+    replicated input of a colwise layer, LoRA's) must drop the same elements on each, or the replicated weights
+    would receive different gradients and drift apart. The ranks then draw alike for the rest of the run (they run
+    the same code on the same batch)."""
+    group = mesh.get_group()
+    source = dist.get_global_rank(group, 0)
+    state = torch.random.get_rng_state()
+    dist.broadcast(state, src=source, group=group)
+    torch.random.set_rng_state(state)
+    if mesh.device_type == "cuda" and torch.cuda.is_available():
+        cuda_state = torch.cuda.get_rng_state().to("cuda")
+        dist.broadcast(cuda_state, src=source, group=group)
+        torch.cuda.set_rng_state(cuda_state.cpu())
+
+
+# =============================================================================================== helpers
+def _tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
+    """Parameters held by more than one module (tied embeddings): each as its holders ``(module, attribute)``."""
+    holders: dict[int, list[tuple[nn.Module, str]]] = {}
+    for sub in module.modules():
+        for attribute, param in sub._parameters.items():
+            if param is not None:
+                holders.setdefault(id(param), []).append((sub, attribute))
+    return [h for h in holders.values() if len(h) > 1]
+
+
+def _retie(module: nn.Module, tied: list[list[tuple[nn.Module, str]]]) -> None:
+    """Tie again what the split untied: a style replaces the parameter of the module it is applied to, so a tied
+    weight's other holders kept the whole one (or got a second split copy). The first holder's split tensor is kept
+    when the others' are whole or split alike; different splits of one tensor are refused."""
+    for holders in tied:
+        params = [sub._parameters[attribute] for sub, attribute in holders]
+        from torch.distributed.tensor import DTensor
+
+        split = [p for p in params if isinstance(p, DTensor)]
+        if not split:
+            continue
+        kept = split[0]
+        if any(p.placements != kept.placements for p in split[1:]):
+            names = [type(sub).__name__ + "." + attribute for sub, attribute in holders]
+            raise ValueError(
+                f"FSDP2Strategy(tensor_parallel_size>1): the tied parameter held by {names} is split differently by"
+                f" the plan ({[str(p.placements) for p in split]}). Give its holders styles that split it alike (a"
+                " vocab-parallel embedding with a colwise head), or untie the weights (tie_word_embeddings=False)."
+            )
+        for sub, attribute in holders:
+            sub._parameters[attribute] = kept
+
+
+def _outermost_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    try:
+        from transformers import PreTrainedModel
+    except ImportError:
+        return []
+    found: list[tuple[str, nn.Module]] = []
+    for name, sub in module.named_modules():
+        if isinstance(sub, PreTrainedModel) and not any(n == "" or name.startswith(f"{n}.") for n, _ in found):
+            found.append((name, sub))
+    return found
+
+
+def _model_names(module: nn.Module) -> str:
+    models = [type(m).__name__ for _, m in _outermost_models(module)]
+    return ", ".join(models) if models else type(module).__name__
