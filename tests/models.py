@@ -109,14 +109,25 @@ class LlamaModule(L.LightningModule):
         # In order, split across ranks like a DistributedSampler without shuffling: rank r takes samples r, r+N, ...
         # so that the ranks' batches together are exactly the single-process reference's batch (needs
         # `Trainer(use_distributed_sampler=False)`, since Lightning's own sampler shuffles).
+        # The strategy's data-parallel split: ranks of one tensor-parallel group read the same samples.
         dataset = TokenDataset(self.n_samples)
         sampler = None
         if torch.distributed.is_available() and torch.distributed.is_initialized():
-            sampler = DistributedSampler(dataset, shuffle=False)
+            sampler = DistributedSampler(dataset, shuffle=False, **data_parallel_split(self))
         return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler)
 
     def val_dataloader(self) -> DataLoader:
         return DataLoader(TokenDataset(8, seed=1), batch_size=self.batch_size)
+
+
+def data_parallel_split(module: L.LightningModule) -> dict[str, int]:
+    """``num_replicas`` and ``rank`` of this process among the data-parallel ranks (its strategy's
+    ``distributed_sampler_kwargs``; every process without a trainer)."""
+    trainer = getattr(module, "_trainer", None)
+    kwargs = getattr(trainer.strategy, "distributed_sampler_kwargs", None) if trainer is not None else None
+    if kwargs:
+        return {"num_replicas": kwargs["num_replicas"], "rank": kwargs["rank"]}
+    return {"num_replicas": torch.distributed.get_world_size(), "rank": torch.distributed.get_rank()}
 
 
 def train_plainly(model: nn.Module, steps: int, global_batch: int = 8) -> list[float]:
@@ -216,6 +227,11 @@ class ResumeModule(LlamaModule):
         if self.lora:
             model = get_peft_model(model, LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"]))
         self.model = model
+
+    def train_dataloader(self) -> DataLoader:
+        if torch.distributed.is_available() and torch.distributed.is_initialized():  # per data-parallel rank
+            self.batch_size = GLOBAL_BATCH // data_parallel_split(self)["num_replicas"]
+        return super().train_dataloader()
 
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=self.lr)

@@ -11,11 +11,18 @@ import os
 import lightning as L
 import pytest
 import torch
-from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_fsdp2 import FSDP2Strategy
 from tests.helpers import run_distributed
-from tests.models import LlamaModule, TokenDataset, full_state, quiet_trainer_kwargs
+from tests.models import (
+    LlamaModule,
+    TokenDataset,
+    assert_same_run,
+    fit_resumable,
+    fit_resumable_single_device,
+    full_state,
+    quiet_trainer_kwargs,
+)
 from tests.test_strategy import _assert_same_weights, _start_state
 
 
@@ -25,13 +32,6 @@ class TensorParallelModule(LlamaModule):
 
     def configure_optimizers(self) -> torch.optim.Optimizer:
         return torch.optim.SGD([p for p in self.parameters() if p.requires_grad], lr=self.lr, momentum=0.9)
-
-    def train_dataloader(self) -> DataLoader:
-        dataset = TokenDataset(self.n_samples)
-        sampler = None
-        if torch.distributed.is_available() and torch.distributed.is_initialized():
-            sampler = DistributedSampler(dataset, shuffle=False, **self.trainer.strategy.distributed_sampler_kwargs)
-        return DataLoader(dataset, batch_size=self.batch_size, sampler=sampler)
 
 
 def _trainer_kwargs(**extra) -> dict:
@@ -44,7 +44,8 @@ def _placements(module: torch.nn.Module) -> dict:
     """Each parameter's mesh dimension names and placements, and this rank's local shape."""
     from torch.distributed.tensor import DTensor
 
-    return {n: (p.device_mesh.mesh_dim_names, tuple(repr(x) for x in p.placements), tuple(p.to_local().shape))
+    return {n.removeprefix("_forward_module."):  # Fabric's wrapper
+            (p.device_mesh.mesh_dim_names, tuple(repr(x) for x in p.placements), tuple(p.to_local().shape))
             for n, p in module.named_parameters() if isinstance(p, DTensor)}
 
 
@@ -222,3 +223,343 @@ def test_architectures_with_lora_under_tensor_parallelism_match_one_process(arch
         assert not lora or any("lora_" in n for n in split), split
         _assert_matches(rank, want, arch)
         assert rank["losses"] == pytest.approx(want["losses"], abs=1e-4)
+
+
+# =========================================================================== checkpoints across layouts
+@pytest.fixture(scope="module")
+def saved_tp(pretrained, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Checkpoints after one epoch at world size 2 as one tensor group of 2, in both formats."""
+    root = tmp_path_factory.mktemp("saved-tp")
+    paths = {"full": root / "full.ckpt", "sharded": root / "sharded.ckpt"}
+    for fmt, path in paths.items():
+        run_distributed(fit_resumable, 2, str(pretrained), 1, str(path), None,
+                        {"state_dict_type": fmt, "tensor_parallel_size": 2})
+    return paths
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_tensor_parallel_checkpoint_resumes_exactly_at_other_layouts(fmt: str, pretrained, saved_tp: dict,
+                                                                       saved: dict, straight: dict) -> None:
+    """Saved by TP 2 after one epoch (AdamW, a per-step LR schedule); resumed for the second epoch by TP 2, by FSDP
+    over 2 and by one process; and FSDP's own checkpoint resumed by TP 2: each equal to two epochs straight (FSDP at
+    world size 2)."""
+    for world, strategy in ((2, {"tensor_parallel_size": 2}), (2, {}), (1, {})):
+        resumed = run_distributed(fit_resumable, world, str(pretrained), 2, None, str(saved_tp[fmt]), strategy)[0]
+        assert_same_run(resumed, straight, f"{fmt} TP checkpoint resumed at world size {world} with {strategy}")
+    resumed = run_distributed(fit_resumable, 2, str(pretrained), 2, None, str(saved[fmt]),
+                              {"tensor_parallel_size": 2})[0]
+    assert_same_run(resumed, straight, f"{fmt} FSDP checkpoint resumed by TP 2")
+
+
+def test_a_full_tensor_parallel_checkpoint_is_what_one_device_writes(pretrained, saved_tp: dict, tmp_path) -> None:
+    """The full file a TP run writes has the keys, shapes and optimizer layout of a single-device run's, and a
+    single-device run resumes from it."""
+    single = tmp_path / "single.ckpt"
+    fit_resumable_single_device(str(pretrained), 1, save_to=str(single))
+    ours = torch.load(saved_tp["full"], weights_only=True, map_location="cpu")
+    theirs = torch.load(single, weights_only=True, map_location="cpu")
+    assert {k: v.shape for k, v in ours["state_dict"].items()} == {k: v.shape for k, v in theirs["state_dict"].items()}
+    ours_opt, theirs_opt = ours["optimizer_states"][0], theirs["optimizer_states"][0]
+    assert {i: {k: v.shape for k, v in s.items()} for i, s in ours_opt["state"].items()} == \
+        {i: {k: v.shape for k, v in s.items()} for i, s in theirs_opt["state"].items()}
+    for key, value in theirs["state_dict"].items():  # one epoch of the same run: the same weights
+        assert (ours["state_dict"][key] - value).abs().max() <= 1e-4, key
+
+
+# =========================================================================== any model, with a plan of the user's
+class Block(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = torch.nn.LayerNorm(64)
+        self.up = torch.nn.Linear(64, 128)
+        self.down = torch.nn.Linear(128, 64)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.relu(self.up(self.norm(x))))
+
+
+class PlainLM(torch.nn.Module):
+    """A plain PyTorch language model (no Hugging Face class, so no plan of its own)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(128, 64)
+        self.layers = torch.nn.ModuleList(Block() for _ in range(2))
+        self.head = torch.nn.Linear(64, 128)
+
+    def forward(self, input_ids: torch.Tensor, labels: torch.Tensor):
+        from transformers.modeling_outputs import CausalLMOutput
+
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x)
+        logits = self.head(x)
+        loss = torch.nn.functional.cross_entropy(logits[:, :-1].reshape(-1, 128), labels[:, 1:].reshape(-1))
+        return CausalLMOutput(loss=loss, logits=logits)
+
+
+def _torch_styles() -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"layers.*.up": ColwiseParallel(), "layers.*.down": RowwiseParallel()}
+
+
+def _callable_plan(model: torch.nn.Module, mesh) -> None:
+    from torch.distributed.tensor.parallel import parallelize_module
+
+    for block in model.layers:
+        parallelize_module(block, mesh, _torch_styles_relative())
+
+
+def _torch_styles_relative() -> dict:
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+
+    return {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+
+PLANS = {
+    "style-names": lambda: {"layers.*.up": "colwise", "layers.*.down": "rowwise"},
+    "torch-styles": _torch_styles,
+    "callable": lambda: _callable_plan,
+}
+
+
+def _plain_tp(plan_name: str, state: dict, steps: int) -> dict:
+    from lightning_fsdp2.fabric import FSDP2Strategy as FabricStrategy
+
+    strategy = FabricStrategy(tensor_parallel_size=2, tensor_parallel_plan=PLANS[plan_name](),
+                              auto_wrap_policy={Block})
+    fabric = L.Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=strategy)
+    fabric.launch()
+    with fabric.init_module():
+        model = PlainLM()
+    model = fabric.setup_module(model)
+    model.load_state_dict(state)  # whole tensors into the split shards (code written for one device)
+    split = fabric.strategy.distributed_sampler_kwargs
+    losses = _train_loop(fabric, model, steps, split["num_replicas"], split["rank"], clip=0.5)
+    return {"state": full_state(model), "losses": losses, "placements": _placements(model)}
+
+
+@pytest.mark.parametrize("plan", list(PLANS))
+def test_a_plain_pytorch_model_with_a_user_plan_matches_one_process(plan: str) -> None:
+    """A model without a plan of its own, given one as style names, as torch ParallelStyles, or as a callable:
+    up colwise, down rowwise, each split on every rank; with gradient clipping over the norm of every gradient (the
+    split and the whole ones, on their two meshes), 3 SGD steps equal one process's (<= 1e-4)."""
+    torch.manual_seed(0)
+    reference = PlainLM()
+    state = {k: v.detach().clone() for k, v in reference.state_dict().items()}
+    want = {"losses": _train_loop(None, reference, 3, 1, 0, clip=0.5),
+            "state": {k: v.detach().clone() for k, v in reference.state_dict().items()}}
+    for rank in run_distributed(_plain_tp, 2, plan, state, 3):
+        split = _split_on_tensor(rank["placements"])
+        assert sorted(split) == sorted(f"layers.{i}.{m}.{p}" for i in range(2) for m in ("up", "down")
+                                       for p in ("weight", "bias") if (m, p) != ("down", "bias")), split
+        _assert_matches(rank, want, plan)
+        assert rank["losses"] == pytest.approx(want["losses"], abs=1e-4)
+
+
+# =========================================================================== the Trainer's options with TP
+def _checkpointed_layers() -> dict:
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    return {"activation_checkpointing_policy": {LlamaDecoderLayer}}
+
+
+TRAINER_CASES = {
+    "accumulate": ({}, {"accumulate_grad_batches": 2}, {}),
+    "clip-norm": ({"lr": 5e-2}, {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}, {}),
+    "activation-checkpointing": ({}, {}, "checkpointed"),
+    "no-reshard": ({}, {}, {"reshard_after_forward": False}),
+}
+
+
+@pytest.mark.parametrize("case", list(TRAINER_CASES))
+def test_trainer_options_with_tensor_parallelism_match_one_process(case: str) -> None:
+    """TP 2 at world size 2 with LoRA, each with accumulation (no reduction on the first micro-batch), clipping (the
+    norm over both meshes, each element once), whole-block activation checkpointing (applied after the split), and
+    no resharding: the weights of one process after 3 steps (<= 1e-4)."""
+    module_kwargs, trainer_kwargs, strategy = copy.deepcopy(TRAINER_CASES[case])
+    strategy = _checkpointed_layers() if strategy == "checkpointed" else strategy
+    start = _start_state()
+    reference = _fit_reference(start, module_kwargs, trainer_kwargs, data_parallel=1)
+    results = run_distributed(_fit_tp, 2, start, module_kwargs, trainer_kwargs, {"tensor_parallel_size": 2, **strategy})
+    for rank in results:
+        _check_split(rank, 2)
+        _assert_same_weights(rank["state"], reference["state"])
+    if case == "clip-norm":  # clipping is not ignored: without it one process ends elsewhere
+        other = _fit_reference(start, module_kwargs, {}, data_parallel=1)
+        assert max((other["state"][k] - reference["state"][k]).abs().max().item() for k in start) > 1e-3
+
+
+# =========================================================================== initialization and random state
+class DropoutModule(TensorParallelModule):
+    """LoRA with dropout on q/v."""
+
+    def __init__(self, dropout: float) -> None:
+        super().__init__()
+        self.dropout = dropout
+
+    def configure_model(self) -> None:
+        from peft import LoraConfig, get_peft_model
+        from transformers import LlamaForCausalLM
+
+        from tests.models import tiny_llama_config
+
+        if self.model is None:
+            config = LoraConfig(r=4, lora_alpha=8, lora_dropout=self.dropout, target_modules=["q_proj", "v_proj"])
+            self.model = get_peft_model(LlamaForCausalLM(tiny_llama_config()), config)
+
+
+def _fresh(strategy: dict, dropout: float = 0.0, seed_per_rank: bool = False) -> dict:
+    """No start state: the model's own init and peft's (random lora_A), then (with dropout) 3 steps. Returns this
+    rank's local pieces."""
+    world = int(os.environ["WORLD_SIZE"])
+    if seed_per_rank:  # processes that were never seeded alike (no seed_everything)
+        torch.manual_seed(1000 + int(os.environ["RANK"]))
+    module = DropoutModule(dropout) if dropout else TensorParallelModule()
+    trainer = L.Trainer(accelerator="cpu", devices=world, strategy=FSDP2Strategy(**strategy),
+                        **_trainer_kwargs(max_steps=3 if dropout else 0))
+    trainer.fit(module)
+    return {n.removeprefix("model.base_model.model."): p.to_local().detach().clone()
+            for n, p in module.named_parameters()}
+
+
+def test_fresh_initialization_is_whole_on_a_tensor_group_and_distinct_across_its_pieces() -> None:
+    """Built on meta and initialized by the model's and peft's rules on each rank: what the plan leaves whole (norms,
+    LoRA's A behind a colwise layer) is the same on both ranks of the tensor group; the two halves of a split weight
+    differ (no copies of one half)."""
+    ranks = run_distributed(_fresh, 2, {"tensor_parallel_size": 2})
+    whole = "model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    split = "model.layers.0.self_attn.q_proj.base_layer.weight"
+    assert torch.equal(ranks[0][whole], ranks[1][whole])
+    assert ranks[0][whole].abs().sum() > 0
+    assert not torch.equal(ranks[0][split], ranks[1][split])
+    assert ranks[0][split].shape == (32, 64)
+
+
+def test_dropout_drops_alike_on_a_tensor_group() -> None:
+    """LoRA dropout 0.3 with processes seeded differently: the tensor group's ranks share rank 0's random state, so
+    they drop the same elements of the input they share, and the whole lora_A they train stays the same on both
+    after 3 steps (with different masks each would receive another gradient)."""
+    ranks = run_distributed(_fresh, 2, {"tensor_parallel_size": 2}, 0.3, True)
+    for name in ranks[0]:
+        if "lora_A" in name and "q_proj" in name:
+            assert torch.equal(ranks[0][name], ranks[1][name]), name
+
+
+# =========================================================================== data: ranks of a tensor group share
+class RecordsBatches(TensorParallelModule):
+    """Records the first token of each sample its batches held, read through Lightning's own sampler."""
+
+    def __init__(self) -> None:
+        super().__init__(batch_size=2)
+        self.seen: list[int] = []
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        self.seen.extend(batch[:, 0].tolist())
+        return super().training_step(batch, batch_idx)
+
+    def train_dataloader(self):
+        from torch.utils.data import DataLoader
+
+        return DataLoader(TokenDataset(16), batch_size=self.batch_size, shuffle=True)
+
+
+def _lightning_sampler(strategy: dict) -> list[int]:
+    module = RecordsBatches()
+    kwargs = _trainer_kwargs(max_steps=2)
+    kwargs["use_distributed_sampler"] = True  # Lightning's DistributedSampler, from the strategy's arguments
+    trainer = L.Trainer(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=FSDP2Strategy(**strategy),
+                        **kwargs)
+    trainer.fit(module)
+    return module.seen
+
+
+def test_lightnings_own_sampler_gives_a_tensor_group_one_batch() -> None:
+    """With use_distributed_sampler=True, Lightning builds its sampler from the strategy's data-parallel split: the
+    two ranks of a tensor group read the same samples (without it they would read disjoint halves)."""
+    ranks = run_distributed(_lightning_sampler, 2, {"tensor_parallel_size": 2})
+    assert ranks[0] == ranks[1] and len(ranks[0]) == 4
+
+
+# =========================================================================== refusals, on every rank
+def _refusal(case: str, pretrained: str) -> str:
+    from lightning_fsdp2.fabric import FSDP2Strategy as FabricStrategy
+    from peft import LoraConfig, get_peft_model
+
+    from tests.models import tiny_llama_config, tiny_model
+
+    strategy: dict = {"tensor_parallel_size": 2}
+    if case == "compile":
+        strategy["compile"] = True
+    if case == "selective-checkpointing":
+        strategy.update(activation_checkpointing_policy={Block}, activation_checkpointing_save="matmuls")
+    try:
+        fabric = L.Fabric(accelerator="cpu", devices=2, strategy=FabricStrategy(**strategy))
+        fabric.launch()
+        with fabric.init_module():
+            if case == "no-plan":
+                model = tiny_model("gpt2")[0]
+            elif case == "heads":
+                from transformers import LlamaForCausalLM
+
+                model = LlamaForCausalLM(tiny_llama_config(num_attention_heads=4, num_key_value_heads=1))
+            else:
+                from transformers import LlamaForCausalLM
+
+                model = LlamaForCausalLM(tiny_llama_config())
+            if case == "dora":
+                model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+            if case == "qlora":
+                from lightning_fsdp2 import load_pretrained
+
+                load_pretrained(model, pretrained, quantize="nf4")
+        fabric.setup_module(model)
+    except (ValueError, RuntimeError, TypeError) as err:
+        return str(err)
+    return "no error"
+
+
+REFUSALS = {
+    "no-plan": "GPT2LMHeadModel has no tensor-parallel plan",
+    "heads": "4 attention heads and 1 key/value heads",
+    "dora": "DoRA on a layer the tensor-parallel plan splits ('colwise')",
+    "compile": "FSDP2Strategy(compile=...) does not run with tensor parallelism",
+    "selective-checkpointing": "activation_checkpointing_save=...) does not run with tensor parallelism",
+    "qlora": "(QLoRA) does not run with tensor parallelism",
+}
+
+
+@pytest.mark.parametrize("case", list(REFUSALS))
+def test_what_does_not_run_with_tensor_parallelism_is_refused_by_name_on_every_rank(case: str, pretrained) -> None:
+    """Each refused before anything is allocated, with the same message on both ranks."""
+    messages = run_distributed(_refusal, 2, case, str(pretrained))
+    assert messages[0] == messages[1]
+    assert REFUSALS[case] in messages[0], messages[0]
+
+
+def test_layouts_and_plans_that_cannot_work_are_refused_at_construction_or_resolution() -> None:
+    from lightning_fsdp2.layout import Layout
+
+    with pytest.raises(ValueError, match="do not split into tensor-parallel groups of 3"):
+        Layout.resolve(None, 4, 4, "cpu", 3)
+    with pytest.raises(ValueError, match="straddle nodes of 2 devices"):
+        Layout.resolve(None, 8, 2, "cpu", 4)
+    with pytest.raises(ValueError, match="give the tensor-parallel size once"):
+        Layout.resolve((1, 2, 2), 4, 4, "cpu", 4)
+    with pytest.raises(ValueError, match=r"2 x 2 x 2 = 8, but there are 4 processes"):
+        Layout.resolve((2, 2), 4, 4, "cpu", 2)
+    assert Layout.resolve((2, 1, 2), 4, 2, "cpu").names == ("replicate", "shard", "tensor")
+    assert Layout.resolve(None, 4, 4, "cpu", 2).sizes == (2, 2)
+    assert Layout.resolve((2, 2, 1), 4, 4, "cpu").names == ("replicate", "shard")  # no tensor dimension of 1
+    with pytest.raises(ValueError, match="unknown style name"):
+        FSDP2Strategy(tensor_parallel_size=2, tensor_parallel_plan={"layers.*.up": "colwize"})
+    with pytest.raises(TypeError, match="tensor_parallel_plan"):
+        FSDP2Strategy(tensor_parallel_size=2, tensor_parallel_plan=["up"])
+    with pytest.raises(TypeError, match="tensor_parallel_size"):
+        FSDP2Strategy(tensor_parallel_size=0)
+    with pytest.raises(ValueError, match="no tensor dimension"):
+        from lightning_fsdp2.options import StrategyOptions
+
+        options = StrategyOptions.from_arguments(tensor_parallel_plan={"up": "colwise"})
+        options.check_layout(Layout.resolve(None, 2, 2, "cpu"))

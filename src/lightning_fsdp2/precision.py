@@ -285,7 +285,8 @@ def clip_grad_norm_(
     # gradients by a plain 0-dim tensor is allowed as an implicitly replicated value.
     clip_coef = torch.clamp(max_norm / (total_norm + 1e-6), max=1.0).to(grads[0].dtype)
     with implicit_replication():
-        torch._foreach_mul_(grads, clip_coef)
+        for kind in kinds.values():  # one foreach per mesh: DTensor ops do not mix meshes
+            torch._foreach_mul_(kind, clip_coef)
     return total_norm
 
 
