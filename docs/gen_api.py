@@ -59,7 +59,7 @@ def sections() -> list[tuple[ModuleType, list[str]]]:
         plan.append((module, list(module.__all__)))
     checkpoint = importlib.import_module(f"{PACKAGE}.checkpoint")
     plan.append((checkpoint, [n for n in checkpoint.__all__ if _is_documentable(getattr(checkpoint, n))]))
-    for suffix in ("parallel", "layout", "options", "wrap", "blocks", "init", "peft_support", "precision", "quantize"):
+    for suffix in ("parallel", "layout", "tensor_parallel", "options", "wrap", "blocks", "init", "peft_support", "precision", "quantize"):
         module = importlib.import_module(f"{PACKAGE}.{suffix}")
         plan.append((module, _defined_public(module)))
 

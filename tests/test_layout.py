@@ -121,12 +121,13 @@ def test_each_option_reaches_its_technique() -> None:
     given = {"device_mesh": (1, 2), "reshard_after_forward": False, "activation_checkpointing_policy": {torch.nn.Linear},
              "activation_checkpointing_every": 2, "compile": {"dynamic": False}, "forward_prefetch": 2,
              "backward_prefetch": 2, "reshard_last_block": False, "unmatched_forward_timeout": 5.0, "meta_init": False,
-             "process_group_backend": "gloo", "state_dict_type": "sharded", "save_trainable_only": True}
+             "process_group_backend": "gloo", "state_dict_type": "sharded", "save_trainable_only": True,
+             "tensor_parallel_size": 2, "tensor_parallel_plan": {"layers.*.up": "colwise"}}
     for strategy in (FSDP2Strategy(**given), FabricStrategy(**given)):
         o = strategy._options
         assert (o.layout.device_mesh, o.shard.reshard_after_forward, o.checkpointing.policy, o.checkpointing.every,
                 o.compile.kwargs, o.prefetch.forward, o.prefetch.backward, o.prefetch.reshard_last_block,
                 o.forward_check.timeout, o.init.meta_init, o.process_group.backend, o.save.state_dict_type,
-                o.save.save_trainable_only) == tuple(given.values())
+                o.save.save_trainable_only, o.layout.tensor_parallel_size, o.tensor_parallel.plan) == tuple(given.values())
     with pytest.raises(TypeError, match="unexpected option"):
         StrategyOptions.from_arguments(start_method="spawn")

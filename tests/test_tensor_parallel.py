@@ -190,7 +190,13 @@ def _fabric_tp(arch: str, base: str, adapter: str | None, steps: int, strategy: 
     model = fabric.setup_module(model)
     split = fabric.strategy.distributed_sampler_kwargs
     losses = _train_loop(fabric, model, steps, split["num_replicas"], split["rank"], clip)
-    return {"state": full_state(model), "losses": losses, "placements": _placements(model)}
+    return {"state": full_state(model), "losses": losses, "placements": _placements(model), "model": model}
+
+
+def _fabric_tp_result(*args) -> dict:
+    result = _fabric_tp(*args)
+    result.pop("model")
+    return result
 
 
 def _assert_matches(got: dict, want: dict, what: str) -> None:
@@ -217,9 +223,9 @@ def test_architectures_with_lora_under_tensor_parallelism_match_one_process(arch
     lora = arch != "phi3"
     base, adapter = _pretrained(arch, str(tmp_path), lora=lora)
     want = _fabric_reference(arch, base, adapter, steps=3)
-    for rank in run_distributed(_fabric_tp, 2, arch, base, adapter, 3, {"tensor_parallel_size": 2}):
+    for rank in run_distributed(_fabric_tp_result, 2, arch, base, adapter, 3, {"tensor_parallel_size": 2}):
         split = _split_on_tensor(rank["placements"])
-        assert any("embed_tokens" in n for n in split) and any("down_proj" in n for n in split), split
+        assert any("embed_tokens" in n for n in split) and any(".mlp." in n for n in split), split
         assert not lora or any("lora_" in n for n in split), split
         _assert_matches(rank, want, arch)
         assert rank["losses"] == pytest.approx(want["losses"], abs=1e-4)
@@ -500,6 +506,8 @@ def _refusal(case: str, pretrained: str) -> str:
         with fabric.init_module():
             if case == "no-plan":
                 model = tiny_model("gpt2")[0]
+            elif case == "moe":
+                model = tiny_model("mixtral")[0]
             elif case == "heads":
                 from transformers import LlamaForCausalLM
 
@@ -523,6 +531,7 @@ def _refusal(case: str, pretrained: str) -> str:
 REFUSALS = {
     "no-plan": "GPT2LMHeadModel has no tensor-parallel plan",
     "heads": "4 attention heads and 1 key/value heads",
+    "moe": "in packed pieces (transformers' 'packed_colwise'/'packed_rowwise', e.g. MoE experts' fused gate_up_proj)",
     "dora": "DoRA on a layer the tensor-parallel plan splits ('colwise')",
     "compile": "FSDP2Strategy(compile=...) does not run with tensor parallelism",
     "selective-checkpointing": "activation_checkpointing_save=...) does not run with tensor parallelism",
@@ -563,3 +572,112 @@ def test_layouts_and_plans_that_cannot_work_are_refused_at_construction_or_resol
 
         options = StrategyOptions.from_arguments(tensor_parallel_plan={"up": "colwise"})
         options.check_layout(Layout.resolve(None, 2, 2, "cpu"))
+
+
+# =========================================================================== world size 4: TP x FSDP, HSDP x TP
+MESHES = {
+    "tp2-fsdp2": {"tensor_parallel_size": 2},
+    "replicate2-tp2": {"device_mesh": (2, 1, 2)},
+    "shard2-tp2-tuple": {"device_mesh": (1, 2, 2)},
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mesh", list(MESHES))
+def test_tensor_parallel_with_data_parallel_ranks_matches_one_process(mesh: str) -> None:
+    """World size 4 as two tensor groups of 2 over FSDP's shards (and as HSDP replicas): each data-parallel rank its
+    half of every global batch, clipping over both meshes; the weights of one process after 3 steps (<= 1e-4), the
+    plan's layers split on the tensor dimension and the rest sharded over the data-parallel one."""
+    module_kwargs = {"lr": 5e-2}
+    trainer_kwargs = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
+    start = _start_state()
+    reference = _fit_reference(start, module_kwargs, trainer_kwargs, data_parallel=2)
+    results = run_distributed(_fit_tp, 4, start, module_kwargs, trainer_kwargs, MESHES[mesh])
+    for i, rank in enumerate(results):
+        _check_split(rank, 2)
+        assert rank["sampler"] == {"num_replicas": 2, "rank": i // 2}
+        names, _, local = rank["placements"][f"{Q}.base_layer.weight"]
+        # q_proj's 64 rows: split in 2 by the tensor dimension, then over the shard group (of 2, or 1 for HSDP)
+        assert local == ((16 if "shard2" in mesh or "fsdp2" in mesh else 32), 64), (mesh, names, local)
+        _assert_same_weights(rank["state"], reference["state"])
+
+
+def _fresh_pieces() -> dict:
+    return _fresh({"tensor_parallel_size": 2})
+
+
+@pytest.mark.slow
+def test_fresh_initialization_at_tp2_fsdp2_draws_each_piece_once() -> None:
+    """Ranks (shard, tensor) = (0,0), (0,1), (1,0), (1,1): a split weight's four pieces all differ; a whole weight
+    (lora_A behind q_proj, sharded over FSDP only) is equal on the two ranks of each tensor group and differs
+    between the shard groups' halves."""
+    ranks = run_distributed(_fresh_pieces, 4)
+    split = "model.layers.0.mlp.up_proj.weight"
+    pieces = [ranks[r][split] for r in range(4)]
+    assert all(not torch.equal(pieces[a], pieces[b]) for a in range(4) for b in range(a + 1, 4))
+    whole = "model.layers.0.self_attn.q_proj.lora_A.default.weight"
+    assert torch.equal(ranks[0][whole], ranks[1][whole]) and torch.equal(ranks[2][whole], ranks[3][whole])
+    assert not torch.equal(ranks[0][whole], ranks[2][whole])
+
+
+@pytest.fixture(scope="module")
+def saved_tp_fsdp(pretrained, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    root = tmp_path_factory.mktemp("saved-tp-fsdp")
+    paths = {"full": root / "full.ckpt", "sharded": root / "sharded.ckpt"}
+    for fmt, path in paths.items():
+        run_distributed(fit_resumable, 4, str(pretrained), 1, str(path), None,
+                        {"state_dict_type": fmt, "tensor_parallel_size": 2})
+    return paths
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_a_tp2_fsdp2_checkpoint_resumes_exactly_at_every_layout(fmt: str, pretrained, saved_tp_fsdp: dict,
+                                                                straight: dict) -> None:
+    """Saved by TP 2 x FSDP 2 after one epoch; resumed by TP 2 x FSDP 2, FSDP over 4, HSDP x TP (2, 1, 2), TP 2 and
+    one process: each equal to two epochs straight (FSDP at world size 2)."""
+    for world, strategy in ((4, {"tensor_parallel_size": 2}), (4, {}), (4, {"device_mesh": (2, 1, 2)}),
+                            (2, {"tensor_parallel_size": 2}), (1, {})):
+        resumed = run_distributed(fit_resumable, world, str(pretrained), 2, None, str(saved_tp_fsdp[fmt]), strategy)[0]
+        assert_same_run(resumed, straight, f"{fmt} TP x FSDP checkpoint resumed at world size {world} with {strategy}")
+
+
+# =========================================================================== adapters out, generate
+def _exports(base: str, adapter: str, out: str, strategy: dict) -> dict:
+    from lightning_fsdp2.lora import save_adapter, save_merged
+
+    result = _fabric_tp("llama", base, adapter, 2, strategy)
+    model = result.pop("model")
+    save_adapter(model, os.path.join(out, "adapter"))
+    save_merged(model, os.path.join(out, "merged"))
+    prompt = TokenDataset(2).data[:, :6]
+    with torch.no_grad():
+        result["generated"] = model.generate(input_ids=prompt, max_new_tokens=5, do_sample=False)
+    result.pop("state")
+    return result
+
+
+def test_adapters_merged_models_and_generate_under_tensor_parallelism_are_one_processs(tmp_path) -> None:
+    """After 2 steps at TP 2: save_adapter writes the adapter peft writes for one process, save_merged the merged
+    model one process's merge_and_unload writes, and greedy generate() (KV cache of each rank's heads) gives the same
+    tokens on every rank as one process."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    base, adapter = _pretrained("llama", str(tmp_path), lora=True)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter, is_trainable=True)
+    _train_loop(None, model, 2, 1, 0)
+    model.save_pretrained(tmp_path / "want-adapter")
+    prompt = TokenDataset(2).data[:, :6]
+    with torch.no_grad():
+        generated = model.generate(input_ids=prompt, max_new_tokens=5, do_sample=False)
+    model.merge_and_unload().save_pretrained(tmp_path / "want-merged")
+    ranks = run_distributed(_exports, 2, base, adapter, str(tmp_path / "ours"), {"tensor_parallel_size": 2})
+    for rank in ranks:
+        assert torch.equal(rank["generated"], generated)
+    for what, file in (("adapter", "adapter_model.safetensors"), ("merged", "model.safetensors")):
+        ours, want = load_file(tmp_path / "ours" / what / file), load_file(tmp_path / f"want-{what}" / file)
+        assert ours.keys() == want.keys(), what
+        worst = max((ours[k] - want[k]).abs().max().item() for k in want)
+        assert worst <= 1e-4, f"{what}: {worst}"

@@ -108,9 +108,11 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh | None, plan: Tens
 
 class _Step:
     """One layer of the plan: transformers' style (by name) or a torch ``ParallelStyle`` on module ``name`` of
-    ``root``; for a peft tuner layer, the style goes on its base layer and its adapters follow peft's TP code."""
+    ``root``, and the style that splits each of its own parameters (``params``: name -> style; the module's own, or
+    the plan's entry for that parameter, as MoE experts' ``gate_up_proj`` has); for a peft tuner layer, the styles go
+    on its base layer and its adapters follow peft's TP code."""
 
-    def __init__(self, root: nn.Module, name: str, style: Any, params: list[str]) -> None:
+    def __init__(self, root: nn.Module, name: str, style: Any, params: dict[str, str]) -> None:
         self.root, self.name, self.style, self.params = root, name, style, params
 
     def apply(self, mesh: DeviceMesh) -> None:
@@ -122,12 +124,12 @@ class _Step:
             return
         from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
 
-        style = ALL_PARALLEL_STYLES[self.style]
         adapters = is_tuner_layer(module)
         target = module.get_base_layer() if adapters else module
-        for param in self.params:
-            style.shard_param(target, param, mesh)
-        style.install_forward(target, mesh)
+        for param, param_style in self.params.items():
+            ALL_PARALLEL_STYLES[param_style].shard_param(target, param, mesh)
+        if self.style is not None:  # None: only parameters of this module are named by the plan
+            ALL_PARALLEL_STYLES[self.style].install_forward(target, mesh)
         if adapters:
             shard_lora_adapters(module, self.style, mesh, self.name)
 
@@ -155,7 +157,9 @@ def _user_steps(module: nn.Module, plan: Mapping[str, Any]) -> list[_Step]:
             continue
         used.add(key)
         target = sub.get_base_layer() if is_tuner_layer(sub) else sub
-        steps.append(_Step(module, name, plan[key], [n for n, _ in target.named_parameters(recurse=False)]))
+        style = plan[key]
+        params = {n: style for n, _ in target.named_parameters(recurse=False)} if isinstance(style, str) else {}
+        steps.append(_Step(module, name, style, params))
     unused = [k for k in plan if k not in used]
     if unused:
         raise ValueError(
@@ -175,16 +179,18 @@ def _model_steps(module: nn.Module) -> list[_Step]:
         if not rules:
             continue
         expanded = model._expand_parallel_plan(rules)  # transformers' own wildcard expansion, on this model's names
-        modules, inside = dict(model.named_modules()), names_inside_adapter_layers(model)
-        for name, style in expanded.items():
-            if name not in modules or name in inside:
-                continue  # a parameter's entry: taken with its module's below
-            layer = modules[name]
+        inside = names_inside_adapter_layers(model)
+        for name, layer in model.named_modules():
+            style = expanded.get(name)
+            if name in inside:
+                continue
             if is_tuner_layer(layer):  # peft wrapped the layer after transformers planned it: all of its base's
-                params = [p for p, _ in layer.get_base_layer().named_parameters(recurse=False)]
-            else:
-                params = [p for p, _ in layer.named_parameters(recurse=False) if f"{name}.{p}" in expanded]
-            steps.append(_Step(module, f"{prefix}.{name}" if prefix else name, style, params))
+                params = {p: style for p, _ in layer.get_base_layer().named_parameters(recurse=False)} if style else {}
+            else:  # each parameter by its own entry (the module's, or one of its own)
+                params = {p: expanded[f"{name}.{p}" if name else p] for p, _ in layer.named_parameters(recurse=False)
+                          if (f"{name}.{p}" if name else p) in expanded}
+            if style is not None or params:
+                steps.append(_Step(module, f"{prefix}.{name}" if prefix else name, style, params))
     if not steps:
         raise ValueError(
             f"FSDP2Strategy(tensor_parallel_size>1): {_model_names(module)} has no tensor-parallel plan (a Hugging Face"
@@ -218,16 +224,28 @@ def check_heads(module: nn.Module, steps: list[_Step], size: int) -> None:
 
 def check_divisible(module: nn.Module, mesh: DeviceMesh) -> None:
     """Every split dimension divides evenly over the tensor group (the uneven pieces transformers allows would leave
-    the last rank short, which FSDP2's sharding and our slice arithmetic do not follow)."""
+    the last rank short, which FSDP2's sharding and our slice arithmetic do not follow), and no parameter is split in
+    packed pieces (a fused gate/up weight, MoE experts: each rank's piece is not one block of the whole, so loads and
+    checkpoints cannot read it slice by slice)."""
     from torch.distributed.tensor import DTensor
 
-    uneven = []
+    uneven, packed = [], []
     for name, param in module.named_parameters():
         if isinstance(param, DTensor):
+            if any(is_split(p) and not p.is_shard() for p in param.placements):
+                packed.append(name)
             for placement in param.placements:
                 dim = getattr(placement, "dim", None)
                 if is_split(placement) and param.shape[dim] % mesh.size():
                     uneven.append(f"{name} {tuple(param.shape)} on dim {dim}")
+    if packed:
+        raise ValueError(
+            f"FSDP2Strategy(tensor_parallel_size={mesh.size()}): the plan splits {packed[:5]}"
+            f"{' ...' if len(packed) > 5 else ''} in packed pieces (transformers' 'packed_colwise'/'packed_rowwise',"
+            " e.g. MoE experts' fused gate_up_proj), which loads and checkpoints cannot read slice by slice yet. Pass"
+            " tensor_parallel_plan={...} without those layers (e.g. the attention projections, embeddings and head"
+            " only), or train this model with FSDP or HSDP (no tensor_parallel_size)."
+        )
     if uneven:
         raise ValueError(
             f"FSDP2Strategy(tensor_parallel_size={mesh.size()}): these parameters do not split evenly over"
