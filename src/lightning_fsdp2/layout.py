@@ -119,7 +119,9 @@ class Layout:
     def _check_fits(
         option: MeshOption, replicate: int, shard: int, tensor: int, world_size: int, devices_per_node: int
     ) -> None:
-        shown = f"device_mesh={option}" + (f", tensor_parallel_size={tensor}" if option is None or len(option) == 2 else "")
+        shown = ", ".join(([f"device_mesh={option}"] if option is not None else [])
+                          + ([f"tensor_parallel_size={tensor}"] if tensor > 1 and (option is None or len(option) == 2)
+                             else []))
         if replicate * shard * tensor != world_size:
             product = f"{replicate} x {shard}" + (f" x {tensor}" if tensor > 1 else "")
             raise ValueError(

@@ -20,8 +20,9 @@ in the module named):
 7. ``wrap.schedule_blocks`` (prefetching) and :func:`apply_root_hooks` (activation offloading, the roots' forwards
    outside training made to wait for every rank for a bounded time: ``lockstep.py``);
 8. :func:`apply_values`: each rank materializes its own shards, initializes what no pretrained weights cover
-   (``init.py``; what tensor parallelism leaves whole made equal over each tensor group), loads the slices ``load_pretrained`` declared (``checkpoint/pretrained.py``), derives what depends
-   on them (DoRA magnitudes), then checks nothing was left unset;
+   (``init.py``; what tensor parallelism leaves whole made equal over each tensor group), loads the slices
+   ``load_pretrained`` declared (``checkpoint/pretrained.py``), derives what depends on them (DoRA magnitudes),
+   then checks nothing was left unset;
 9. ``load_state_dict`` hooks let code written for one device load whole tensors into the shards
    (``checkpoint/module_load.py``).
 
@@ -293,8 +294,8 @@ def check_not_sharded_already(module: nn.Module) -> None:
         owner, config = by_transformers[0]
         name = (type(owner).__bases__[-1] if isinstance(owner, FSDPModule) else type(owner)).__name__
         tensor_parallel = (getattr(config, "tp_size", None) or 1) > 1
-        layout = (" FSDP2Strategy has no tensor parallelism yet: for tp_size > 1 keep transformers' sharding (below)."
-                  if tensor_parallel else " `FSDP2Strategy(device_mesh=(replicate, shard))` is DistributedConfig's"
+        layout = (" DistributedConfig's tp_size is `FSDP2Strategy(tensor_parallel_size=tp_size)` (the model's own plan,"
+                  " applied by FSDP2Strategy)." if tensor_parallel else " `FSDP2Strategy(device_mesh=(replicate, shard))` is DistributedConfig's"
                   " `dp_replicate_size`/`fsdp_size`.")
         raise RuntimeError(
             f"{name} was sharded by transformers (`from_pretrained(..., distributed_config="
