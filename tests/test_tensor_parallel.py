@@ -511,6 +511,10 @@ def _refusal(case: str, pretrained: str) -> str:
                 model = tiny_model("gpt2")[0]
             elif case == "moe":
                 model = tiny_model("mixtral")[0]
+            elif case == "uneven":
+                from transformers import LlamaForCausalLM
+
+                model = LlamaForCausalLM(tiny_llama_config(intermediate_size=129))
             elif case == "heads":
                 from transformers import LlamaForCausalLM
 
@@ -534,6 +538,7 @@ def _refusal(case: str, pretrained: str) -> str:
 @pytest.mark.parametrize(("case", "message"), [
     ("no-plan", "GPT2LMHeadModel has no tensor-parallel plan"),
     ("heads", "4 attention heads and 1 key/value heads"),
+    ("uneven", "do not split evenly over 2 ranks: ['model.layers.0.mlp.gate_proj.weight (129, 64) on dim 0'"),
     ("moe", "in packed pieces (transformers' 'packed_colwise'/'packed_rowwise', e.g. MoE experts' fused gate_up_proj)"),
     ("dora", "DoRA on a layer the tensor-parallel plan splits ('colwise')"),
     ("unmatched", "['model.layers.*.mlp.nothing'] match no module of LlamaForCausalLM"),
