@@ -20,6 +20,13 @@ held when ``fit`` started.
     python benchmarks/throughput.py                 # world size 2, 3 repeats
     python benchmarks/throughput.py --scaling       # FSDP2Strategy at world sizes 1, 2 and 4
     python benchmarks/throughput.py --knobs         # compile, activation checkpointing, prefetch (below)
+    python benchmarks/throughput.py --tensor-parallel   # FSDP 4, TP 2 x FSDP 2, TP 4 at world size 4 (below)
+
+``--tensor-parallel`` runs world size 4 with one global batch (8 sequences per step) at three layouts:
+``FSDP2Strategy()``, ``FSDP2Strategy(tensor_parallel_size=2)`` and ``tensor_parallel_size=4``, each against
+``ModelParallelStrategy(data_parallel_size=4 / t, tensor_parallel_size=t)`` with the same plan written by hand with
+torch's styles (``tensor_parallel_peer.py``). A tensor group shares one batch, so its per-rank batch is ``t`` times
+the FSDP one; tokens/s counts each distinct token once.
 
 ``--knobs`` puts FSDP2Strategy's per-block options side by side at world size 2: eager against ``compile=True``,
 activation checkpointing of none / every block / every 2nd block / every block saving its matmuls
@@ -58,11 +65,13 @@ SEQ, BATCH, WARMUP, TIMED = 256, 2, 2, 6
 
 
 class LoRALlama(L.LightningModule):
-    """The same module for every contender; ``shard`` applies ModelParallelStrategy's hand-written fully_shard."""
+    """The same module for every contender; ``shard`` applies ModelParallelStrategy's hand-written fully_shard (with
+    ``tensor_parallel``, the hand-written plan too); ``batch``: the per-data-parallel-rank batch."""
 
-    def __init__(self, shard: bool = False, compile: bool = False) -> None:
+    def __init__(self, shard: bool = False, compile: bool = False, tensor_parallel: bool = False,
+                 batch: int = BATCH) -> None:
         super().__init__()
-        self.shard, self.compile = shard, compile
+        self.shard, self.compile, self.tensor_parallel, self.batch = shard, compile, tensor_parallel, batch
         self.model = None
         self.times: list[float] = []
 
@@ -75,7 +84,11 @@ class LoRALlama(L.LightningModule):
         torch.manual_seed(0)
         model = LlamaForCausalLM(LlamaConfig(**CONFIG))
         model = get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
-        if self.shard:  # the ModelParallelStrategy way: the user shards each layer, then the root
+        if self.shard and self.tensor_parallel:  # the ModelParallelStrategy way, with the plan written by hand
+            from tensor_parallel_peer import parallelize_by_hand
+
+            parallelize_by_hand(model, self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"])
+        elif self.shard:  # the ModelParallelStrategy way: the user shards each layer, then the root
             from torch.distributed.fsdp import fully_shard
 
             mesh = self.device_mesh["data_parallel"]
@@ -101,9 +114,9 @@ class LoRALlama(L.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         # Enough samples for every process to take all its steps in one epoch (no epoch boundary in the timing).
-        n = (WARMUP + TIMED) * BATCH * max(self.trainer.world_size, 1)
+        n = (WARMUP + TIMED) * self.batch * max(self.trainer.world_size, 1)
         data = torch.randint(0, CONFIG["vocab_size"], (n, SEQ), generator=torch.Generator().manual_seed(0))
-        return DataLoader(data, batch_size=BATCH)
+        return DataLoader(data, batch_size=self.batch)
 
 
 KNOBS = {  # FSDP2Strategy arguments of the --knobs contenders
@@ -120,6 +133,16 @@ KNOBS = {  # FSDP2Strategy arguments of the --knobs contenders
 
 
 def _strategy(name: str):
+    if "@" in name:  # --tensor-parallel: "fsdp2@tp2", "model_parallel@fsdp4"
+        contender, layout = name.split("@")
+        tensor = int(layout[2:]) if layout.startswith("tp") else 1
+        if contender == "fsdp2":
+            from lightning_fsdp2 import FSDP2Strategy
+
+            return FSDP2Strategy(tensor_parallel_size=tensor)
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=TP_WORLD // tensor, tensor_parallel_size=tensor)
     if name in ("fsdp2", "fsdp2_keep"):
         from lightning_fsdp2 import FSDP2Strategy
 
@@ -152,8 +175,15 @@ def _strategy(name: str):
     return "auto"
 
 
+def _tensor_size(name: str) -> int:
+    layout = name.split("@")[1] if "@" in name else ""
+    return int(layout[2:]) if layout.startswith("tp") else 1
+
+
 def _train(name: str, world: int, accelerator: str) -> dict:
-    module = LoRALlama(shard=name.startswith("model_parallel"), compile=name.endswith("+compile"))
+    tensor = _tensor_size(name)
+    module = LoRALlama(shard=name.startswith("model_parallel"), compile=name.endswith("+compile"),
+                       tensor_parallel="@" in name, batch=BATCH * tensor)
     start_kb = _status_kb("VmRSS")
     Path("/proc/self/clear_refs").write_text("5")
     trainer = L.Trainer(
@@ -164,7 +194,7 @@ def _train(name: str, world: int, accelerator: str) -> dict:
     trainer.fit(module)
     timed = module.times[WARMUP:]  # times[0] is the start of training, times[k] the end of step k
     seconds = timed[-1] - timed[0]
-    tokens = TIMED * BATCH * SEQ * world
+    tokens = TIMED * BATCH * SEQ * world  # distinct tokens: a tensor group's ranks share a batch t times as large
     steady = statistics.median(b - a for a, b in zip(timed, timed[1:]))
     return {"tokens_per_s": tokens / seconds, "peak_mb": (_status_kb("VmHWM") - start_kb) / 1024,
             "first_step_s": module.times[1] - module.times[0], "steady_step_s": steady}
@@ -191,6 +221,8 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--scaling", action="store_true", help="FSDP2Strategy at world sizes 1, 2 and 4 instead")
     parser.add_argument("--knobs", action="store_true", help="compile, activation checkpointing and prefetch instead")
+    parser.add_argument("--tensor-parallel", action="store_true",
+                        help="FSDP 4, TP 2 x FSDP 2 and TP 4 at world size 4, each against ModelParallelStrategy")
     parser.add_argument("--only", nargs="*", help="contenders to run (default: all)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--accelerator", default="cuda" if torch.cuda.device_count() >= 4 else "cpu")
@@ -216,6 +248,10 @@ def main() -> None:
 
     if args.knobs:
         _knobs(args, out, n_params)
+        return
+
+    if args.tensor_parallel:
+        _tensor_parallel(args, out, n_params)
         return
 
     names = args.only or ["fsdp2", "fsdp2_keep", "model_parallel", "ddp", "fsdp1", "compute_bound"]
@@ -269,6 +305,33 @@ def _knobs(args: argparse.Namespace, out: Path, n_params: int) -> None:
         lines += ["", f"compile / eager: {compiled / eager:.2f}x."]
     command = f"python benchmarks/throughput.py --knobs --repeats {args.repeats}"
     _write(out / "knobs", rows, lines, command + (f" --only {' '.join(args.only)}" if args.only else ""))
+
+
+TP_WORLD = 4
+TP_LAYOUTS = ["fsdp4", "tp2", "tp4"]
+
+
+def _tensor_parallel(args: argparse.Namespace, out: Path, n_params: int) -> None:
+    names = args.only or [f"{c}@{layout}" for layout in TP_LAYOUTS for c in ("fsdp2", "model_parallel")]
+    rows = measure(names, {n: TP_WORLD for n in names}, args.repeats, args.accelerator)
+    lines = [f"Tensor parallelism at world size {TP_WORLD}, Llama {n_params / 1e6:.0f}M parameters (LoRA r=8 on"
+             f" q/k/v/o), seq {SEQ}, {BATCH * TP_WORLD} sequences per step (per data-parallel rank: {BATCH} x the"
+             f" tensor size), fp32, {args.accelerator}, 1 thread per process, median of {args.repeats}. Peer:"
+             " ModelParallelStrategy with the same plan written by hand (torch's styles, then fully_shard).", "",
+             "| layout | FSDP2Strategy tokens/s | peer tokens/s | FSDP2Strategy / peer | x FSDP 4 (ours) |"
+             " peak RSS per rank, ours / peer (MB) |", "|---|---:|---:|---:|---:|---:|"]
+    fsdp = rows.get("fsdp2@fsdp4", {}).get("tokens_per_s")
+    for layout in TP_LAYOUTS:
+        ours, peer = rows.get(f"fsdp2@{layout}"), rows.get(f"model_parallel@{layout}")
+        if ours is None:
+            continue
+        ratio = f"{ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else "-"
+        vs_fsdp = f"{ours['tokens_per_s'] / fsdp:.2f}x" if fsdp else "-"
+        peaks = f"{max(ours['peak_mb_per_rank']):.0f} / " + (f"{max(peer['peak_mb_per_rank']):.0f}" if peer else "-")
+        lines.append(f"| {layout} | {ours['tokens_per_s']:.0f} | {peer['tokens_per_s']:.0f} | {ratio} | {vs_fsdp} |"
+                     f" {peaks} |" if peer else f"| {layout} | {ours['tokens_per_s']:.0f} | - | - | {vs_fsdp} | {peaks} |")
+    command = f"python benchmarks/throughput.py --tensor-parallel --repeats {args.repeats}"
+    _write(out / "tensor-parallel", rows, lines, command + (f" --only {' '.join(args.only)}" if args.only else ""))
 
 
 def _count_parameters() -> int:

@@ -376,14 +376,16 @@ TRAINER_CASES = {
     "clip-norm": ({"lr": 5e-2}, {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}, {}),
     "activation-checkpointing": ({}, {}, "checkpointed"),
     "no-reshard": ({}, {}, {"reshard_after_forward": False}),
+    "no-meta-init": ({}, {}, {"meta_init": False}),
 }
 
 
 @pytest.mark.parametrize("case", list(TRAINER_CASES))
 def test_trainer_options_with_tensor_parallelism_match_one_process(case: str) -> None:
     """TP 2 at world size 2 with LoRA, each with accumulation (no reduction on the first micro-batch), clipping (the
-    norm over both meshes, each element once), whole-block activation checkpointing (applied after the split), and
-    no resharding: the weights of one process after 3 steps (<= 1e-4)."""
+    norm over both meshes, each element once), whole-block activation checkpointing (applied after the split), no
+    resharding, and a model built for real (meta_init=False: rank 0's values broadcast, then each rank keeps its
+    piece): the weights of one process after 3 steps (<= 1e-4)."""
     module_kwargs, trainer_kwargs, strategy = copy.deepcopy(TRAINER_CASES[case])
     strategy = _checkpointed_layers() if strategy == "checkpointed" else strategy
     start = _start_state()
@@ -688,3 +690,84 @@ def test_adapters_merged_models_and_generate_under_tensor_parallelism_are_one_pr
         assert ours.keys() == want.keys(), what
         worst = max((ours[k] - want[k]).abs().max().item() for k in want)
         assert worst <= 1e-4, f"{what}: {worst}"
+
+
+# =========================================================================== more of what composes with TP
+def test_the_converter_turns_a_tensor_parallel_sharded_checkpoint_into_the_full_one(saved_tp: dict, tmp_path) -> None:
+    """`sharded_to_full` of a TP 2 sharded checkpoint (DCP with both placements) gives the weights and optimizer
+    state of the full file the same run wrote."""
+    from lightning_fsdp2.convert import read_full_checkpoint, sharded_to_full
+
+    converted = read_full_checkpoint(sharded_to_full(saved_tp["sharded"], tmp_path / "converted.ckpt"))
+    full = read_full_checkpoint(saved_tp["full"])
+    assert converted["state_dict"].keys() == full["state_dict"].keys()
+    for key, value in full["state_dict"].items():
+        assert torch.equal(converted["state_dict"][key], value), key
+    moments = full["optimizer_states"][0]["state"]
+    for index, state in converted["optimizer_states"][0]["state"].items():
+        for name, value in state.items():
+            assert torch.equal(value, moments[index][name]), (index, name)
+
+
+def _save_options(pretrained: str, root: str) -> dict:
+    """LoRA at TP 2: a trainable-only checkpoint and an async sharded one, each resumed at TP 2."""
+    out = {"straight": fit_resumable(pretrained, 2, strategy={"tensor_parallel_size": 2}, module={"lora": True})}
+    for name, options in {"trainable": {"save_trainable_only": True},
+                          "async": {"state_dict_type": "sharded", "async_save": True}}.items():
+        path = os.path.join(root, f"{name}.ckpt")
+        fit_resumable(pretrained, 1, save_to=path, strategy={"tensor_parallel_size": 2, **options}, module={"lora": True})
+        out[name] = fit_resumable(pretrained, 2, resume_from=path, strategy={"tensor_parallel_size": 2},
+                                  module={"lora": True})
+    return out
+
+
+def test_trainable_only_and_async_saves_under_tensor_parallelism_resume_exactly(pretrained, tmp_path) -> None:
+    """save_trainable_only (the LoRA adapters, split and whole, and their optimizer state; the base from
+    load_pretrained again) and async_save, at TP 2: each resumed run equals the uninterrupted one."""
+    results = run_distributed(_save_options, 2, str(pretrained), str(tmp_path))[0]
+    for name in ("trainable", "async"):
+        assert_same_run(results[name], results["straight"], name)
+    saved = torch.load(tmp_path / "trainable.ckpt", weights_only=True, map_location="cpu")["state_dict"]
+    assert saved and all("lora_" in k for k in saved)
+
+
+def _accumulate_fabric(base: str, adapter: str) -> dict:
+    """Fabric at TP 2: two micro-batches per step, the first under no_backward_sync."""
+    from peft import get_peft_model
+    from transformers import LlamaForCausalLM
+
+    from lightning_fsdp2 import load_pretrained
+    from lightning_fsdp2.fabric import FSDP2Strategy as FabricStrategy
+    from lightning_fsdp2.lora import load_adapter
+    from tests.models import tiny_llama_config
+
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=FabricStrategy(tensor_parallel_size=2))
+    fabric.launch()
+    with fabric.init_module():
+        model = LlamaForCausalLM(tiny_llama_config())
+        load_pretrained(model, base)
+        model = get_peft_model(model, _lora("llama"))
+        load_adapter(model, adapter)
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(
+        torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9))
+    synced = []
+    for batch in _batches(3, 1, 0):
+        for i, half in enumerate(batch.chunk(2)):
+            with fabric.no_backward_sync(model, enabled=i == 0):
+                fabric.backward(model(input_ids=half, labels=half).loss / 2)
+            if i == 0:
+                synced.append(any(p.grad is not None for p in model.parameters()))
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"state": full_state(model), "synced": synced}
+
+
+def test_fabric_accumulation_with_no_backward_sync_under_tensor_parallelism(tmp_path) -> None:
+    """Fabric at TP 2 accumulating two half-batches per step (the first under no_backward_sync): no reduction on the
+    first micro-batch, and the adapters of one process's 3 whole-batch steps (<= 1e-4)."""
+    base, adapter = _pretrained("llama", str(tmp_path), lora=True)
+    want = _fabric_reference("llama", base, adapter, steps=3)
+    for rank in run_distributed(_accumulate_fabric, 2, base, adapter):
+        assert not any(rank["synced"])
+        _assert_matches(rank, want, "accumulation")
