@@ -18,6 +18,12 @@ gradients of the frozen base, no weight gradients and no attention FLOPs counted
 
     python benchmarks/gpu.py --repeats 1
     python benchmarks/gpu.py --repeats 1 --knobs     # compile and activation checkpointing too (not in gpu-check)
+    python benchmarks/gpu.py --repeats 1 --tensor-parallel   # 2+ GPUs: FSDP vs TP 2 x FSDP, each vs the peer
+
+``--tensor-parallel`` (on a machine with two or more GPUs; not in gpu-check, which has one) runs every GPU as one
+process, with one global batch (``BATCH`` x the GPUs per step): ``FSDP2Strategy()`` and
+``FSDP2Strategy(tensor_parallel_size=2)``, each against ``ModelParallelStrategy`` with the same layout and the same
+plan written by hand with torch's styles (``tensor_parallel_peer.py``). Writes ``gpu-tensor-parallel.{md,json}``.
 
 Writes ``benchmarks/results/gpu-throughput.{md,json}``.
 """
@@ -33,6 +39,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
 
 import lightning as L  # noqa: E402
 import torch  # noqa: E402
@@ -49,9 +56,10 @@ PEAK_BF16 = {"H100": 989e12, "H200": 989e12, "H800": 989e12, "A100": 312e12, "A8
 
 
 class LoRALlama(L.LightningModule):
-    def __init__(self, shard: bool = False, compile: bool = False) -> None:
+    def __init__(self, shard: bool = False, compile: bool = False, tensor_parallel: bool = False,
+                 batch: int = BATCH) -> None:
         super().__init__()
-        self.shard, self.compile = shard, compile
+        self.shard, self.compile, self.tensor_parallel, self.batch = shard, compile, tensor_parallel, batch
         self.model = None
         self.times: list[float] = []
 
@@ -65,7 +73,11 @@ class LoRALlama(L.LightningModule):
         model = LlamaForCausalLM(LlamaConfig(**CONFIG))
         model = get_peft_model(model, LoraConfig(r=16, lora_alpha=32, target_modules=["q_proj", "k_proj", "v_proj",
                                                                                       "o_proj"]))
-        if self.shard:  # the ModelParallelStrategy way: the user shards each layer, then the root
+        if self.shard and self.tensor_parallel:  # the ModelParallelStrategy way, with the plan written by hand
+            from tensor_parallel_peer import parallelize_by_hand
+
+            parallelize_by_hand(model, self.device_mesh["tensor_parallel"], self.device_mesh["data_parallel"])
+        elif self.shard:  # the ModelParallelStrategy way: the user shards each layer, then the root
             from torch.distributed.fsdp import fully_shard
 
             mesh = self.device_mesh["data_parallel"]
@@ -88,16 +100,26 @@ class LoRALlama(L.LightningModule):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
 
     def train_dataloader(self) -> DataLoader:
-        data = torch.randint(0, CONFIG["vocab_size"], ((WARMUP + TIMED) * BATCH, SEQ),
+        data = torch.randint(0, CONFIG["vocab_size"], ((WARMUP + TIMED) * self.batch * self.trainer.world_size, SEQ),
                              generator=torch.Generator().manual_seed(0))
-        return DataLoader(data, batch_size=BATCH)
+        return DataLoader(data, batch_size=self.batch)
 
 
 KNOBS = {"fsdp2+compile": {"compile": True}, "fsdp2+ac": {"activation_checkpointing_policy": "blocks"},
          "fsdp2+ac_matmuls": {"activation_checkpointing_policy": "blocks", "activation_checkpointing_save": "matmuls"}}
 
 
-def _strategy(name: str):
+def _strategy(name: str, world: int = 1):
+    if "@" in name:  # --tensor-parallel: "fsdp2@tp2", "model_parallel@fsdp"
+        contender, layout = name.split("@")
+        tensor = 2 if layout == "tp2" else 1
+        if contender == "fsdp2":
+            from lightning_fsdp2 import FSDP2Strategy
+
+            return FSDP2Strategy(tensor_parallel_size=tensor)
+        from lightning.pytorch.strategies import ModelParallelStrategy
+
+        return ModelParallelStrategy(data_parallel_size=world // tensor, tensor_parallel_size=tensor)
     if name == "fsdp2" or name in KNOBS:
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -114,19 +136,21 @@ def _strategy(name: str):
     return "auto"
 
 
-def _train(name: str) -> dict:
-    module = LoRALlama(shard=name.startswith("model_parallel"), compile=name.endswith("+compile"))
+def _train(name: str, world: int = 1) -> dict:
+    tensor = 2 if name.endswith("@tp2") else 1
+    module = LoRALlama(shard=name.startswith("model_parallel"), compile=name.endswith("+compile"),
+                       tensor_parallel="@" in name, batch=BATCH * tensor)
     torch.cuda.reset_peak_memory_stats()
     # The same work for every contender: Lightning's stock bf16-true casts the adapters to bf16, so FSDP2Strategy's
     # precision keeps them in bf16 too here (its default stores them in fp32).
     precision = ({"plugins": [FSDP2Precision("bf16-true", adapter_dtype=None)]} if name.startswith("fsdp2")
                  else {"precision": "bf16-true"})
-    trainer = L.Trainer(accelerator="cuda", devices=1, strategy=_strategy(name), **precision,
+    trainer = L.Trainer(accelerator="cuda", devices=world, strategy=_strategy(name, world), **precision,
                         max_steps=WARMUP + TIMED, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(module)
     timed = module.times[WARMUP - 1:]
-    return {"tokens_per_s": TIMED * BATCH * SEQ / (timed[-1] - timed[0]),
+    return {"tokens_per_s": TIMED * BATCH * SEQ * world / (timed[-1] - timed[0]),  # distinct tokens
             "peak_gb": torch.cuda.max_memory_allocated() / 2**30, "gpu": torch.cuda.get_device_name()}
 
 
@@ -135,9 +159,13 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--knobs", action="store_true", help="also compile and activation checkpointing contenders")
+    parser.add_argument("--tensor-parallel", action="store_true", help="FSDP and TP 2 x FSDP over every GPU (2+)")
     args = parser.parse_args()
     if not torch.cuda.is_available():
         raise SystemExit("benchmarks/gpu.py needs a CUDA device.")
+    if args.tensor_parallel:
+        _tensor_parallel(args)
+        return
     names = ["fsdp2", "model_parallel", "single"] + ([*KNOBS, "model_parallel+compile"] if args.knobs else [])
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for repeat in range(args.repeats):
@@ -170,6 +198,37 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     (out / "gpu-throughput.json").write_text(json.dumps({"gpu": gpu, "rows": rows, "command": command}, indent=2) + "\n")
     (out / "gpu-throughput.md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def _tensor_parallel(args: argparse.Namespace) -> None:
+    world = min(torch.cuda.device_count(), 8)
+    if world < 2:
+        raise SystemExit("benchmarks/gpu.py --tensor-parallel needs two or more GPUs (one process each).")
+    names = [f"{c}@{layout}" for layout in ("fsdp", "tp2") for c in ("fsdp2", "model_parallel")]
+    runs: dict[str, list[dict]] = {n: [] for n in names}
+    for repeat in range(args.repeats):
+        for name in names if repeat % 2 == 0 else list(reversed(names)):
+            result = run_distributed(_train, world, name, world, timeout=1800)
+            runs[name].append(result[0] | {"peak_gb": max(r["peak_gb"] for r in result)})
+            print(f"repeat {repeat}: {name}: {result[0]['tokens_per_s']:.0f} tokens/s", flush=True)
+    rows = {n: {"tokens_per_s": statistics.median(r["tokens_per_s"] for r in rs),
+                "peak_gb": max(r["peak_gb"] for r in rs)} for n, rs in runs.items()}
+    gpu = runs[names[0]][0]["gpu"]
+    command = f"python benchmarks/gpu.py --repeats {args.repeats} --tensor-parallel"
+    lines = [f"LoRA (r=16, q/k/v/o) on the 1.1B Llama, bf16-true, seq {SEQ}, {BATCH * world} sequences per step, {world}"
+             f" x {gpu}, median of {args.repeats}. Peer: ModelParallelStrategy with the same layout and plan by hand.", "",
+             "| layout | FSDP2Strategy tokens/s | peer tokens/s | FSDP2Strategy / peer | peak GPU memory per rank, ours /"
+             " peer (GB) |", "|---|---:|---:|---:|---:|"]
+    for layout in ("fsdp", "tp2"):
+        ours, peer = rows[f"fsdp2@{layout}"], rows[f"model_parallel@{layout}"]
+        lines.append(f"| {layout} | {ours['tokens_per_s']:.0f} | {peer['tokens_per_s']:.0f} |"
+                     f" {ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x | {ours['peak_gb']:.2f} / {peer['peak_gb']:.2f} |")
+    lines += ["", f"Command: `{command}`"]
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "gpu-tensor-parallel.json").write_text(json.dumps({"gpu": gpu, "rows": rows, "command": command}, indent=2) + "\n")
+    (out / "gpu-tensor-parallel.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 
 

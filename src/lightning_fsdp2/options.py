@@ -345,8 +345,16 @@ class StrategyOptions:
                     " tensor_parallel_size=N (or device_mesh=(replicate, shard, tensor)) as well, or drop the plan."
                 )
             return
+        if self.compile.kwargs is not None and self.checkpointing.policy is not None:
+            # torch 2.13: AOTAutograd of a checkpointed block whose DTensor ops carry the tensor mesh saves the mesh
+            # for backward and fails ("expected all tensors_saved_with_vc_check to be Tensors").
+            raise ValueError(
+                "FSDP2Strategy(compile=..., activation_checkpointing_policy=...) together do not run with tensor"
+                f" parallelism (tensor size {layout.tensor_size}): torch's compiled autograd of a checkpointed block"
+                " with split layers fails. Keep one of the two (each runs with tensor parallelism), or train without"
+                " tensor parallelism."
+            )
         refused = {
-            "compile": self.compile.kwargs is not None,
             "cpu_offload": self.shard.offload_policy is not None,
             "activation_checkpointing_save": self.checkpointing.save is not None,
         }
@@ -356,7 +364,7 @@ class StrategyOptions:
                 f"FSDP2Strategy({', '.join(f'{n}=...' for n in named)}) does not run with tensor parallelism"
                 f" (tensor size {layout.tensor_size}) yet. Drop {' and '.join(named)}, or train without tensor"
                 " parallelism (tensor_parallel_size=1). Whole-block activation checkpointing"
-                " (activation_checkpointing_policy) does run with it."
+                " (activation_checkpointing_policy) and compile do run with it."
             )
 
 
