@@ -527,6 +527,8 @@ def _refusal(case: str, pretrained: str) -> str:
                 model = LlamaForCausalLM(tiny_llama_config())
             if case == "dora":
                 model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
+            if case == "modules-to-save":
+                model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], modules_to_save=["lm_head"]))
             if case == "qlora":
                 from lightning_fsdp2 import load_pretrained
 
@@ -543,6 +545,7 @@ def _refusal(case: str, pretrained: str) -> str:
     ("uneven", "do not split evenly over 2 ranks: ['model.layers.0.mlp.gate_proj.weight (129, 64) on dim 0'"),
     ("moe", "in packed pieces (transformers' 'packed_colwise'/'packed_rowwise', e.g. MoE experts' fused gate_up_proj)"),
     ("dora", "DoRA on a layer the tensor-parallel plan splits ('colwise')"),
+    ("modules-to-save", "lm_head: peft's ModulesToSaveWrapper on a layer the tensor-parallel plan splits"),
     ("unmatched", "['model.layers.*.mlp.nothing'] match no module of LlamaForCausalLM"),
     ("compile+checkpointing", "activation_checkpointing_policy=...) together do not run with tensor parallelism"),
     ("selective-checkpointing", "activation_checkpointing_save=...) does not run with tensor parallelism"),

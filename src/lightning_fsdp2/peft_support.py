@@ -275,6 +275,16 @@ def is_tuner_layer(module: nn.Module) -> bool:
     return isinstance(module, BaseTunerLayer)
 
 
+def is_peft_layer(module: nn.Module) -> bool:
+    """Whether ``module`` is a layer peft put in place of the model's: a tuner layer, or a wrapper holding a trained
+    copy of it (``modules_to_save``)."""
+    try:
+        from peft.utils.other import AuxiliaryTrainingWrapper
+    except ImportError:
+        return is_tuner_layer(module)
+    return is_tuner_layer(module) or isinstance(module, AuxiliaryTrainingWrapper)
+
+
 def names_inside_adapter_layers(model: nn.Module) -> set[str]:
     """Qualified names of the modules strictly below a peft tuner layer (e.g. ``...q_proj.lora_A.default``)."""
     try:

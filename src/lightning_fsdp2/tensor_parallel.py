@@ -34,6 +34,7 @@ from torch.distributed.device_mesh import DeviceMesh
 from lightning_fsdp2.layout import is_split
 from lightning_fsdp2.peft_support import (
     check_tensor_parallel_adapter,
+    is_peft_layer,
     is_tuner_layer,
     names_inside_adapter_layers,
     shard_lora_adapters,
@@ -140,7 +141,7 @@ def plan_steps(module: nn.Module, plan: Mapping[str, Any] | None) -> list[_Step]
     steps = _user_steps(module, plan) if plan is not None else _model_steps(module)
     for step in steps:
         layer = step.root.get_submodule(step.name)
-        if is_tuner_layer(layer):
+        if is_peft_layer(layer):
             check_tensor_parallel_adapter(layer, step.name, step.style)
     return steps
 
@@ -304,13 +305,13 @@ def share_random_state(mesh: DeviceMesh) -> None:
     the same code on the same batch)."""
     group = mesh.get_group()
     source = dist.get_global_rank(group, 0)
-    state = torch.random.get_rng_state()
-    dist.broadcast(state, src=source, group=group)
-    torch.random.set_rng_state(state)
-    if mesh.device_type == "cuda" and torch.cuda.is_available():
-        cuda_state = torch.cuda.get_rng_state().to("cuda")
-        dist.broadcast(cuda_state, src=source, group=group)
-        torch.cuda.set_rng_state(cuda_state.cpu())
+    states = [(torch.random.get_rng_state, torch.random.set_rng_state)]
+    if mesh.device_type == "cuda":
+        states.append((torch.cuda.get_rng_state, torch.cuda.set_rng_state))
+    for get, put in states:
+        state = get().to(mesh.device_type)  # through the device for backends that need it (NCCL)
+        dist.broadcast(state, src=source, group=group)
+        put(state.cpu())
 
 
 # =============================================================================================== helpers
