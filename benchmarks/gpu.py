@@ -216,18 +216,22 @@ def _tensor_parallel(args: argparse.Namespace) -> None:
                 "peak_gb": max(r["peak_gb"] for r in rs)} for n, rs in runs.items()}
     gpu = runs[names[0]][0]["gpu"]
     command = f"python benchmarks/gpu.py --repeats {args.repeats} --tensor-parallel"
-    lines = [f"LoRA (r=16, q/k/v/o) on the 1.1B Llama, bf16-true, seq {SEQ}, {BATCH * world} sequences per step, {world}"
-             f" x {gpu}, median of {args.repeats}. Peer: ModelParallelStrategy with the same layout and plan by hand.", "",
-             "| layout | FSDP2Strategy tokens/s | peer tokens/s | FSDP2Strategy / peer | peak GPU memory per rank, ours /"
+    lines = [f"LoRA (r=16, q/k/v/o) on the 1.1B Llama, bf16-true, seq {SEQ}, {BATCH * world} sequences per step,"
+             f" {world} x {gpu}, median of {args.repeats}. Peer: ModelParallelStrategy with the same layout and plan"
+             " by hand.", "",
+             "| layout | FSDP2Strategy tokens/s | peer tokens/s | FSDP2Strategy / peer |"
+             " peak GPU memory per rank, ours /"
              " peer (GB) |", "|---|---:|---:|---:|---:|"]
     for layout in ("fsdp", "tp2"):
         ours, peer = rows[f"fsdp2@{layout}"], rows[f"model_parallel@{layout}"]
-        lines.append(f"| {layout} | {ours['tokens_per_s']:.0f} | {peer['tokens_per_s']:.0f} |"
-                     f" {ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x | {ours['peak_gb']:.2f} / {peer['peak_gb']:.2f} |")
+        ratio = ours["tokens_per_s"] / peer["tokens_per_s"]
+        lines.append(f"| {layout} | {ours['tokens_per_s']:.0f} | {peer['tokens_per_s']:.0f} | {ratio:.2f}x |"
+                     f" {ours['peak_gb']:.2f} / {peer['peak_gb']:.2f} |")
     lines += ["", f"Command: `{command}`"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    (out / "gpu-tensor-parallel.json").write_text(json.dumps({"gpu": gpu, "rows": rows, "command": command}, indent=2) + "\n")
+    record = {"gpu": gpu, "rows": rows, "command": command}
+    (out / "gpu-tensor-parallel.json").write_text(json.dumps(record, indent=2) + "\n")
     (out / "gpu-tensor-parallel.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
 

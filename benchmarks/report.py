@@ -2,7 +2,8 @@
 
     python benchmarks/report.py      # run by `make bench` after the benchmarks
 
-Reads ``benchmarks/results/*.json`` and ``*.md`` (written by throughput.py (three tables), load_pretrained.py, save.py and memory.py); sections
+Reads ``benchmarks/results/*.json`` and ``*.md`` (written by throughput.py (four tables), load_pretrained.py, save.py
+and memory.py); sections
 whose results are missing say so.
 """
 
@@ -24,6 +25,10 @@ SECTIONS = [
      "`unmatched_forward_timeout` costs a training step: FSDP2Strategy with it (the default) and without, side by side "
      "(`python benchmarks/throughput.py --knobs --only fsdp2 fsdp2+no_forward_check --repeats 3 --out DIR`, copied to"
      " `forward-check.*`)."),
+    ("Tensor parallelism", "tensor-parallel", "FSDP over 4, TP 2 x FSDP 2 and TP 4 at world size 4 (one global batch),"
+     " each against Lightning's ModelParallelStrategy with the same plan written by hand. On CPUs with gloo TP is"
+     " expected to be slower than FSDP: its all-reduces sit on the critical path of every layer, on the same cores"
+     " that compute; `benchmarks/gpu.py --tensor-parallel` measures it on two or more GPUs."),
     ("Start-up: loading a pretrained model", "load_pretrained-large", "load_pretrained on meta against an eager build "
      "plus whole-state-dict load then sharding, against transformers sharding the model itself "
      "(`from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2))`, which FSDP2Strategy refuses to take "

@@ -328,8 +328,8 @@ def _tensor_parallel(args: argparse.Namespace, out: Path, n_params: int) -> None
         ratio = f"{ours['tokens_per_s'] / peer['tokens_per_s']:.2f}x" if peer else "-"
         vs_fsdp = f"{ours['tokens_per_s'] / fsdp:.2f}x" if fsdp else "-"
         peaks = f"{max(ours['peak_mb_per_rank']):.0f} / " + (f"{max(peer['peak_mb_per_rank']):.0f}" if peer else "-")
-        lines.append(f"| {layout} | {ours['tokens_per_s']:.0f} | {peer['tokens_per_s']:.0f} | {ratio} | {vs_fsdp} |"
-                     f" {peaks} |" if peer else f"| {layout} | {ours['tokens_per_s']:.0f} | - | - | {vs_fsdp} | {peaks} |")
+        theirs = f"{peer['tokens_per_s']:.0f}" if peer else "-"
+        lines.append(f"| {layout} | {ours['tokens_per_s']:.0f} | {theirs} | {ratio} | {vs_fsdp} | {peaks} |")
     command = f"python benchmarks/throughput.py --tensor-parallel --repeats {args.repeats}"
     _write(out / "tensor-parallel", rows, lines, command + (f" --only {' '.join(args.only)}" if args.only else ""))
 

@@ -53,7 +53,7 @@ def _slices_and_gathers_from_placements() -> dict:
     from torch.distributed.tensor import Replicate, Shard, distribute_tensor
 
     from lightning_fsdp2.checkpoint.shards import gather_tensor, local_slice, receive_bytes
-    from lightning_fsdp2.layout import shard_coordinate
+    from lightning_fsdp2.layout import pieces_coordinate
 
     dist.init_process_group("gloo")
     # Dimension names of the user's choosing, and the dimension that splits rows *first*: nothing may assume
@@ -71,7 +71,7 @@ def _slices_and_gathers_from_placements() -> dict:
         out[name] = {
             "slice_ok": bool(torch.equal(whole[index], tensor.to_local())),
             "gathered": gather_tensor(tensor),
-            "coordinate": shard_coordinate(tensor),
+            "coordinate": pieces_coordinate([tensor]),
             "receive_bytes": receive_bytes(tensor),
         }
     dist.destroy_process_group()
@@ -128,6 +128,7 @@ def test_each_option_reaches_its_technique() -> None:
         assert (o.layout.device_mesh, o.shard.reshard_after_forward, o.checkpointing.policy, o.checkpointing.every,
                 o.compile.kwargs, o.prefetch.forward, o.prefetch.backward, o.prefetch.reshard_last_block,
                 o.forward_check.timeout, o.init.meta_init, o.process_group.backend, o.save.state_dict_type,
-                o.save.save_trainable_only, o.layout.tensor_parallel_size, o.tensor_parallel.plan) == tuple(given.values())
+                o.save.save_trainable_only, o.layout.tensor_parallel_size,
+                o.tensor_parallel.plan) == tuple(given.values())
     with pytest.raises(TypeError, match="unexpected option"):
         StrategyOptions.from_arguments(start_method="spawn")

@@ -171,7 +171,8 @@ def _fabric_reference(arch: str, base: str, adapter: str | None, steps: int, cli
     return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses}
 
 
-def _fabric_tp(arch: str, base: str, adapter: str | None, steps: int, strategy: dict, clip: float | None = None) -> dict:
+def _fabric_tp(arch: str, base: str, adapter: str | None, steps: int, strategy: dict,
+               clip: float | None = None) -> dict:
     from peft import get_peft_model
 
     from lightning_fsdp2 import load_pretrained
@@ -210,7 +211,7 @@ def _split_on_tensor(placements: dict) -> list[str]:
             if "tensor" in names and split[names.index("tensor")].startswith(("Shard", "_StridedShard"))]
 
 
-ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3"]
+ARCHITECTURES = ["llama", "qwen2", "qwen3", "mistral", "gemma", "phi3", "qwen3-full"]
 
 
 @pytest.mark.parametrize("arch", ARCHITECTURES)
@@ -220,7 +221,8 @@ def test_architectures_with_lora_under_tensor_parallelism_match_one_process(arch
     by load_pretrained and lora.load_adapter (each rank its slices), 3 SGD steps: the adapters and the losses of one
     process (<= 1e-4), with the plan's layers split on every rank. Phi-3 without LoRA: its plan gathers the fused
     projections' outputs ('colwise_gather_output'), behind which peft does not split adapters (refused, below)."""
-    lora = arch != "phi3"
+    lora = arch not in ("phi3", "qwen3-full")
+    arch = arch.removesuffix("-full")  # Qwen3 fully fine-tuned: its q_norm/k_norm trained too
     base, adapter = _pretrained(arch, str(tmp_path), lora=lora)
     want = _fabric_reference(arch, base, adapter, steps=3)
     for rank in run_distributed(_fabric_tp_result, 2, arch, base, adapter, 3, {"tensor_parallel_size": 2}):
@@ -502,6 +504,8 @@ def _refusal(case: str, pretrained: str) -> str:
         strategy.update(compile=True, activation_checkpointing_policy={Block})
     if case == "selective-checkpointing":
         strategy.update(activation_checkpointing_policy={Block}, activation_checkpointing_save="matmuls")
+    if case == "tied":
+        strategy["tensor_parallel_plan"] = {"lm_head": "colwise_gather_output"}
     if case == "unmatched":
         strategy["tensor_parallel_plan"] = {"model.layers.*.self_attn.q_proj": "colwise",
                                             "model.layers.*.mlp.nothing": "colwise"}
@@ -513,6 +517,8 @@ def _refusal(case: str, pretrained: str) -> str:
                 model = tiny_model("gpt2")[0]
             elif case == "moe":
                 model = tiny_model("mixtral")[0]
+            elif case == "tied":
+                model = tiny_model("gemma")[0]
             elif case == "uneven":
                 from transformers import LlamaForCausalLM
 
@@ -543,8 +549,9 @@ def _refusal(case: str, pretrained: str) -> str:
     ("no-plan", "GPT2LMHeadModel has no tensor-parallel plan"),
     ("heads", "4 attention heads and 1 key/value heads"),
     ("uneven", "do not split evenly over 2 ranks: ['model.layers.0.mlp.gate_proj.weight (129, 64) on dim 0'"),
-    ("moe", "in packed pieces (transformers' 'packed_colwise'/'packed_rowwise', e.g. MoE experts' fused gate_up_proj)"),
+    ("moe", "MixtralForCausalLM splits layers in packed pieces (transformers' 'packed_colwise'/'packed_rowwise'"),
     ("dora", "DoRA on a layer the tensor-parallel plan splits ('colwise')"),
+    ("tied", "tied between ['GemmaTextScaledWordEmbedding.weight', 'Linear.weight'] is split differently for each"),
     ("modules-to-save", "lm_head: peft's ModulesToSaveWrapper on a layer the tensor-parallel plan splits"),
     ("unmatched", "['model.layers.*.mlp.nothing'] match no module of LlamaForCausalLM"),
     ("compile+checkpointing", "activation_checkpointing_policy=...) together do not run with tensor parallelism"),
@@ -573,8 +580,12 @@ def test_layouts_and_plans_that_cannot_work_are_refused_at_construction_or_resol
     assert Layout.resolve((2, 1, 2), 4, 2, "cpu").names == ("replicate", "shard", "tensor")
     assert Layout.resolve(None, 4, 4, "cpu", 2).sizes == (2, 2)
     assert Layout.resolve((2, 2, 1), 4, 4, "cpu").names == ("replicate", "shard")  # no tensor dimension of 1
-    with pytest.raises(ValueError, match="unknown style name"):
+    with pytest.raises(ValueError, match="unknown or unsupported style name"):
         FSDP2Strategy(tensor_parallel_size=2, tensor_parallel_plan={"layers.*.up": "colwize"})
+    with pytest.raises(ValueError, match="unknown or unsupported style name.*sequence_parallel"):
+        FSDP2Strategy(tensor_parallel_size=2, tensor_parallel_plan={"layers.*.norm": "sequence_parallel"})
+    with pytest.raises(ValueError, match="the plan is empty"):
+        FSDP2Strategy(tensor_parallel_size=2, tensor_parallel_plan={})
     with pytest.raises(TypeError, match="tensor_parallel_plan"):
         FSDP2Strategy(tensor_parallel_size=2, tensor_parallel_plan=["up"])
     with pytest.raises(TypeError, match="tensor_parallel_size"):
@@ -584,11 +595,17 @@ def test_layouts_and_plans_that_cannot_work_are_refused_at_construction_or_resol
 
         options = StrategyOptions.from_arguments(tensor_parallel_plan={"up": "colwise"})
         options.check_layout(Layout.resolve(None, 2, 2, "cpu"))
+    tensor = Layout.resolve(None, 2, 2, "cuda", 2)
+    with pytest.raises(ValueError, match=r"FSDP2Strategy\(cpu_offload=...\) does not run with tensor parallelism"):
+        StrategyOptions.from_arguments(cpu_offload=True).check_layout(tensor)
+    StrategyOptions.from_arguments(compile=True).check_layout(tensor)  # each alone runs
+    StrategyOptions.from_arguments(activation_checkpointing_policy={Block}).check_layout(tensor)
 
 
 # =========================================================================== world size 4: TP x FSDP, HSDP x TP
 MESHES = {
     "tp2-fsdp2": {"tensor_parallel_size": 2},
+    "tp2-fsdp2-full": {"tensor_parallel_size": 2},  # no LoRA: every base weight trained (and its gradient clipped)
     "replicate2-tp2": {"device_mesh": (2, 1, 2)},
     "shard2-tp2-tuple": {"device_mesh": (1, 2, 2)},
 }
@@ -600,17 +617,20 @@ def test_tensor_parallel_with_data_parallel_ranks_matches_one_process(mesh: str)
     """World size 4 as two tensor groups of 2 over FSDP's shards (and as HSDP replicas): each data-parallel rank its
     half of every global batch, clipping over both meshes; the weights of one process after 3 steps (<= 1e-4), the
     plan's layers split on the tensor dimension and the rest sharded over the data-parallel one."""
-    module_kwargs = {"lr": 5e-2}
+    lora = not mesh.endswith("-full")
+    module_kwargs = {"lr": 5e-2, "lora": lora}
     trainer_kwargs = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
-    start = _start_state()
+    start = _start_state(lora=lora)
     reference = _fit_reference(start, module_kwargs, trainer_kwargs, data_parallel=2)
     results = run_distributed(_fit_tp, 4, start, module_kwargs, trainer_kwargs, MESHES[mesh])
+    q = f"{Q}.base_layer.weight" if lora else "model.model.layers.0.self_attn.q_proj.weight"
     for i, rank in enumerate(results):
-        _check_split(rank, 2)
+        if lora:
+            _check_split(rank, 2)
         assert rank["sampler"] == {"num_replicas": 2, "rank": i // 2}
-        names, _, local = rank["placements"][f"{Q}.base_layer.weight"]
+        names, _, local = rank["placements"][q]
         # q_proj's 64 rows: split in 2 by the tensor dimension, then over the shard group (of 2, or 1 for HSDP)
-        assert local == ((16 if "shard2" in mesh or "fsdp2" in mesh else 32), 64), (mesh, names, local)
+        assert "tensor" in names and local == ((16 if "shard2" in mesh or "fsdp2" in mesh else 32), 64), (mesh, local)
         _assert_same_weights(rank["state"], reference["state"])
 
 
@@ -718,7 +738,8 @@ def _save_options(pretrained: str, root: str) -> dict:
     for name, options in {"trainable": {"save_trainable_only": True},
                           "async": {"state_dict_type": "sharded", "async_save": True}}.items():
         path = os.path.join(root, f"{name}.ckpt")
-        fit_resumable(pretrained, 1, save_to=path, strategy={"tensor_parallel_size": 2, **options}, module={"lora": True})
+        fit_resumable(pretrained, 1, save_to=path, strategy={"tensor_parallel_size": 2, **options},
+                      module={"lora": True})
         out[name] = fit_resumable(pretrained, 2, resume_from=path, strategy={"tensor_parallel_size": 2},
                                   module={"lora": True})
     return out
@@ -734,23 +755,23 @@ def test_trainable_only_and_async_saves_under_tensor_parallelism_resume_exactly(
     assert saved and all("lora_" in k for k in saved)
 
 
-def _accumulate_fabric(base: str, adapter: str) -> dict:
+def _accumulate_fabric(base: str, adapter: str | None, arch: str = "llama") -> dict:
     """Fabric at TP 2: two micro-batches per step, the first under no_backward_sync."""
     from peft import get_peft_model
-    from transformers import LlamaForCausalLM
 
     from lightning_fsdp2 import load_pretrained
     from lightning_fsdp2.fabric import FSDP2Strategy as FabricStrategy
     from lightning_fsdp2.lora import load_adapter
-    from tests.models import tiny_llama_config
+    from tests.models import tiny_model
 
     fabric = L.Fabric(accelerator="cpu", devices=2, strategy=FabricStrategy(tensor_parallel_size=2))
     fabric.launch()
     with fabric.init_module():
-        model = LlamaForCausalLM(tiny_llama_config())
+        model = tiny_model(arch)[0]
         load_pretrained(model, base)
-        model = get_peft_model(model, _lora("llama"))
-        load_adapter(model, adapter)
+        if adapter is not None:
+            model = get_peft_model(model, _lora(arch))
+            load_adapter(model, adapter)
     model = fabric.setup_module(model)
     optimizer = fabric.setup_optimizers(
         torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9))
@@ -766,14 +787,17 @@ def _accumulate_fabric(base: str, adapter: str) -> dict:
     return {"state": full_state(model), "synced": synced}
 
 
-def test_fabric_accumulation_with_no_backward_sync_under_tensor_parallelism(tmp_path) -> None:
+@pytest.mark.parametrize(("arch", "lora"), [("llama", True), ("qwen3", False)], ids=["llama-lora", "qwen3-full"])
+def test_fabric_accumulation_with_no_backward_sync_under_tensor_parallelism(arch: str, lora: bool, tmp_path) -> None:
     """Fabric at TP 2 accumulating two half-batches per step (the first under no_backward_sync): no reduction on the
-    first micro-batch, and the adapters of one process's 3 whole-batch steps (<= 1e-4)."""
-    base, adapter = _pretrained("llama", str(tmp_path), lora=True)
-    want = _fabric_reference("llama", base, adapter, steps=3)
-    for rank in run_distributed(_accumulate_fabric, 2, base, adapter):
+    first micro-batch, and the weights of one process's 3 whole-batch steps (<= 1e-4). Qwen3 fully fine-tuned: its
+    per-head q_norm/k_norm, whole on each rank, get each micro-batch's gradient summed over the tensor group once
+    (all-reduced after it accumulates, the first micro-batch's would be summed twice)."""
+    base, adapter = _pretrained(arch, str(tmp_path), lora=lora)
+    want = _fabric_reference(arch, base, adapter, steps=3)
+    for rank in run_distributed(_accumulate_fabric, 2, base, adapter, arch):
         assert not any(rank["synced"])
-        _assert_matches(rank, want, "accumulation")
+        _assert_matches(rank, want, f"{arch} accumulation")
 
 
 class CountsGraphs(TensorParallelModule):
@@ -812,4 +836,25 @@ def test_compiled_blocks_under_tensor_parallelism_match_one_process() -> None:
         _check_split(rank, 2)
         assert rank["graphs"][0] >= 1 and rank["graphs"] == [rank["graphs"][0]] * 3, rank["graphs"]
         assert rank["inductor"] > 0, rank
+        _assert_same_weights(rank["state"], reference["state"])
+
+
+def _fit_ready_mesh(start_state: dict) -> dict:
+    """Under a launcher that started the process group, a 3-D DeviceMesh of the user's, with names of its own."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+
+    dist.init_process_group("gloo")
+    mesh = init_device_mesh("cpu", (1, 1, 2), mesh_dim_names=("dp_replicate", "dp_shard", "tp"))
+    return _fit_tp(start_state, {"lr": 5e-2}, {}, {"device_mesh": mesh})
+
+
+def test_a_ready_3d_device_mesh_with_names_of_its_own_is_used() -> None:
+    """A ready (replicate, shard, tensor) mesh named ("dp_replicate", "dp_shard", "tp"): the plan's layers are split
+    on its "tp" dimension, FSDP2 shards over the other two, and the weights are one process's."""
+    start = _start_state()
+    reference = _fit_reference(start, {"lr": 5e-2}, {}, data_parallel=1)
+    for rank in run_distributed(_fit_ready_mesh, 2, start):
+        names, split, _ = rank["placements"][f"{Q}.base_layer.weight"]
+        assert names == ("dp_replicate", "dp_shard", "tp") and split[2] == "Shard(dim=0)", (names, split)
         _assert_same_weights(rank["state"], reference["state"])

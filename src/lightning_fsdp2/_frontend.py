@@ -104,8 +104,8 @@ class FrontEndCore:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Each data-parallel rank reads a different part of the data (ranks that differ only on other mesh
-        dimensions, none yet, would read the same)."""
+        """Each data-parallel rank reads a different part of the data; the ranks of a tensor-parallel group (which
+        differ only on the ``"tensor"`` dimension) read the same."""
         if self._layout is None:  # asked before the processes started: every process is data-parallel
             return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}  # type: ignore[attr-defined]
         return {"num_replicas": self._layout.data_parallel_size,

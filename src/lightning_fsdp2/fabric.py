@@ -67,7 +67,8 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
     Takes the sharding and checkpoint arguments of the Trainer's :class:`lightning_fsdp2.FSDP2Strategy`, with the
     same meaning: ``auto_wrap_policy``, ``activation_checkpointing_policy``, ``activation_checkpointing_every``,
     ``activation_checkpointing_save``, ``mixed_precision``, ``reshard_after_forward``, ``cpu_offload``,
-    ``device_mesh``, ``tensor_parallel_size``, ``tensor_parallel_plan``, ``compile``, ``forward_prefetch``, ``backward_prefetch``, ``reshard_last_block``,
+    ``device_mesh``, ``tensor_parallel_size``, ``tensor_parallel_plan``, ``compile``, ``forward_prefetch``,
+    ``backward_prefetch``, ``reshard_last_block``,
     ``offload_activations``, ``unmatched_forward_timeout``, ``meta_init`` (what ``fabric.init_module()`` does when
     ``empty_init`` is not given), ``process_group_backend``, ``timeout``, ``state_dict_type`` and
     ``save_trainable_only``. Not here: ``start_method`` (Fabric starts processes by re-running the script, or

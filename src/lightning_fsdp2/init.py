@@ -251,7 +251,7 @@ def hf_init_rule(module: nn.Module, materialized: set[str]) -> None:
     for tensor in keep:
         tensor._is_hf_initialized = True  # type: ignore[attr-defined]
     try:
-        for sub in _outermost(module, PreTrainedModel):
+        for _, sub in outermost(module, PreTrainedModel):
             for m in sub.modules():
                 m.__dict__.pop("_is_hf_initialized", None)
             sub.initialize_weights()
@@ -260,14 +260,13 @@ def hf_init_rule(module: nn.Module, materialized: set[str]) -> None:
             tensor.__dict__.pop("_is_hf_initialized", None)
 
 
-def _outermost(module: nn.Module, cls: type) -> list[nn.Module]:
-    """Instances of ``cls`` in ``module`` that are not inside another instance (pre-order sees parents first)."""
-    names: list[str] = []
-    found: list[nn.Module] = []
+def outermost(module: nn.Module, cls: type) -> list[tuple[str, nn.Module]]:
+    """Instances of ``cls`` in ``module`` that are not inside another instance, with their names (pre-order sees
+    parents first)."""
+    found: list[tuple[str, nn.Module]] = []
     for name, sub in module.named_modules():
-        if isinstance(sub, cls) and not any(n == "" or name.startswith(f"{n}.") for n in names):
-            names.append(name)
-            found.append(sub)
+        if isinstance(sub, cls) and not any(n == "" or name.startswith(f"{n}.") for n, _ in found):
+            found.append((name, sub))
     return found
 
 

@@ -2,8 +2,8 @@
 
 Every part of the package that needs to know which ranks hold what asks a :class:`Layout` (for the processes) or a
 tensor's own DTensor placements (:func:`split_dims`, for one tensor), never a position: "the last mesh dimension
-shards" stops being true as soon as a dimension is added (tensor parallelism, ``device_mesh=(replicate, shard,
-tensor)``), and a ready mesh from the user may name its dimensions as it likes.
+shards" is not true with tensor parallelism (``device_mesh=(replicate, shard, tensor)``), and a ready mesh from the
+user may name its dimensions as it likes.
 
 The dimensions, outermost (slowest-varying rank) first:
 
@@ -86,10 +86,12 @@ class Layout:
         if isinstance(option, DeviceMesh):
             layout = cls._from_mesh(option, world_size, device_type)
             if tensor_parallel_size not in (1, layout.tensor_size):
+                held = (f"its tensor dimension has {layout.tensor_size} rank(s)" if option.ndim == 3
+                        else "a 1-D/2-D mesh has no tensor dimension")
                 raise ValueError(
                     f"FSDP2Strategy(device_mesh=<{option.ndim}-D mesh>, tensor_parallel_size={tensor_parallel_size}):"
-                    f" the mesh has {layout.tensor_size} rank(s) on its tensor dimension. Give the tensor-parallel size"
-                    " once: as the mesh's third dimension, or as tensor_parallel_size with a 1-D/2-D mesh's tuple."
+                    f" a ready mesh carries the tensor dimension itself, and {held}. Build it 3-D (replicate, shard,"
+                    " tensor), or pass the tuple (replicate, shard) with tensor_parallel_size."
                 )
             return layout
         tensor = tensor_parallel_size
@@ -161,8 +163,8 @@ class Layout:
             raise ValueError(
                 f"FSDP2Strategy(device_mesh=...) got a {mesh.ndim}-D mesh of ranks {mesh.mesh.tolist()}; it must be"
                 f" 1-D (shard), 2-D (replicate, shard) or 3-D (replicate, shard, tensor) over all {world_size}"
-                " processes in rank order, as `init_device_mesh(device_type, (replicate, shard))` makes it, or pass"
-                " the tuple (replicate, shard)."
+                " processes in rank order, as `init_device_mesh(device_type, (replicate, shard[, tensor]))` makes it,"
+                " or pass the tuple."
             )
         if mesh.device_type != device_type:
             raise ValueError(
@@ -233,12 +235,9 @@ class Layout:
         return mesh[self._mesh_names(mesh, (TENSOR,))[0]]
 
     def _mesh_names(self, mesh: DeviceMesh, names: tuple[str, ...]) -> tuple[str, ...]:
-        """``names`` as ``mesh`` calls its dimensions (a ready mesh may name them otherwise, or not at all)."""
-        if mesh.mesh_dim_names is None:
-            raise ValueError(
-                f"FSDP2Strategy(device_mesh=...) got a mesh without dimension names: build it with"
-                f" `init_device_mesh(..., mesh_dim_names={self.names})`."
-            )
+        """``names`` as ``mesh`` calls its dimensions (a ready mesh may name them otherwise; one that is sliced here
+        has names: :meth:`resolve` refuses an unnamed 3-D mesh, and 1-D/2-D ones are used whole)."""
+        assert mesh.mesh_dim_names is not None
         return tuple(mesh.mesh_dim_names[self.names.index(name)] for name in names)
 
 
@@ -250,7 +249,8 @@ def split_dims(tensor: Tensor) -> dict[int, int]:
 
     if not isinstance(tensor, DTensor):
         return {}
-    return {mesh_dim: p.dim for mesh_dim, p in enumerate(tensor.placements) if is_split(p)}  # type: ignore[attr-defined]
+    placements = tensor.placements
+    return {mesh_dim: p.dim for mesh_dim, p in enumerate(placements) if is_split(p)}  # type: ignore[attr-defined]
 
 
 def is_split(placement: Any) -> bool:
@@ -261,32 +261,20 @@ def is_split(placement: Any) -> bool:
     return placement.is_shard() or isinstance(placement, _StridedShard)
 
 
-def shard_coordinate(tensor: Tensor) -> int:
-    """This rank's index among the distinct pieces of ``tensor``: ranks holding the same piece (replicas) share it,
-    ranks holding different pieces differ (0 for a plain tensor). Row-major over the mesh dimensions that split it."""
-    mesh = getattr(tensor, "device_mesh", None)
-    index = 0
-    for mesh_dim in sorted(split_dims(tensor)):
-        assert mesh is not None
-        index = index * mesh.size(mesh_dim) + mesh.get_local_rank(mesh_dim)
-    return index
-
-
 def pieces_coordinate(tensors: Iterable[Tensor]) -> int:
-    """This rank's index among the distinct combinations of pieces ``tensors`` hold (0 for plain tensors): over every
-    mesh dimension that splits any of them, by name (the data-parallel dimensions split every parameter, the tensor
-    dimension those its plan names), so ranks that hold the same pieces of all of them (HSDP's replicas) share it and
-    ranks that hold different pieces of any one differ. For one FSDP-sharded tensor, :func:`shard_coordinate`."""
+    """This rank's index among the distinct combinations of pieces ``tensors`` hold (0 for plain tensors; the init
+    seed): row-major over every mesh dimension that splits any of them, by name, in the order they first appear (the
+    data-parallel dimensions split every parameter, the tensor dimension those its plan names), so ranks that hold the
+    same pieces of all of them (HSDP's replicas) share it and ranks that hold different pieces of any one differ."""
     dims: dict[str, tuple[int, int]] = {}
     for tensor in tensors:
         mesh = getattr(tensor, "device_mesh", None)
         for mesh_dim in split_dims(tensor):
             assert mesh is not None
             name = mesh.mesh_dim_names[mesh_dim] if mesh.mesh_dim_names else f"#{mesh_dim}"
-            dims[name] = (mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim))
+            dims.setdefault(name, (mesh.get_local_rank(mesh_dim), mesh.size(mesh_dim)))
     index = 0
-    for name in sorted(dims):
-        rank, size = dims[name]
+    for rank, size in dims.values():
         index = index * size + rank
     return index
 

@@ -295,7 +295,8 @@ def check_not_sharded_already(module: nn.Module) -> None:
         name = (type(owner).__bases__[-1] if isinstance(owner, FSDPModule) else type(owner)).__name__
         tensor_parallel = (getattr(config, "tp_size", None) or 1) > 1
         layout = (" DistributedConfig's tp_size is `FSDP2Strategy(tensor_parallel_size=tp_size)` (the model's own plan,"
-                  " applied by FSDP2Strategy)." if tensor_parallel else " `FSDP2Strategy(device_mesh=(replicate, shard))` is DistributedConfig's"
+                  " applied by FSDP2Strategy)." if tensor_parallel
+                  else " `FSDP2Strategy(device_mesh=(replicate, shard))` is DistributedConfig's"
                   " `dp_replicate_size`/`fsdp_size`.")
         raise RuntimeError(
             f"{name} was sharded by transformers (`from_pretrained(..., distributed_config="

@@ -307,6 +307,12 @@ def check_tensor_parallel_adapter(layer: nn.Module, name: str, style: Any) -> No
     dora = isinstance(layer, LoraLinear) and any(layer.use_dora.values())
     if isinstance(layer, LoraLinear) and style in ("colwise", "rowwise") and not dora:
         return
+    if isinstance(layer, LoraLinear) and not dora and not isinstance(style, str):
+        raise ValueError(
+            f"{name}: a LoRA layer is given a torch ParallelStyle ({type(style).__name__}) in tensor_parallel_plan; its"
+            " adapters are split by peft's TP code, which follows transformers' styles: give it by name, 'colwise' or"
+            " 'rowwise'."
+        )
     what = "DoRA" if dora else ("LoRA" if isinstance(layer, LoraLinear) else f"peft's {type(layer).__name__}")
     raise ValueError(
         f"{name}: {what} on a layer the tensor-parallel plan splits ({style!r}) is not supported; peft splits LoRA"

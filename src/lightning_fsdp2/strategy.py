@@ -99,11 +99,11 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         device_mesh: ``None`` (default) shards every parameter over all processes. ``(replicate, shard)``: HSDP, each
             parameter sharded over groups of ``shard`` consecutive ranks (the devices of one node) and replicated
             over ``replicate`` such groups, so only the gradient all-reduce crosses between groups; ``replicate x
-            shard`` must be the number of processes and ``shard`` divide the devices per node (or be a multiple of
-            them). A ready ``DeviceMesh`` (1-D, or 2-D as ``(replicate, shard)``, over every rank in order, as
-            ``init_device_mesh`` makes it) is used as it is; it needs a process group started by the launcher.
-            ``(replicate, shard, tensor)`` (or a ready 3-D mesh): tensor parallelism over groups of ``tensor``
-            adjacent ranks as well.
+            shard`` (x ``tensor_parallel_size``) must be the number of processes and ``shard`` divide the devices
+            per node (or be a multiple of them). ``(replicate, shard, tensor)``: tensor parallelism over groups of
+            ``tensor`` adjacent ranks as well. A ready ``DeviceMesh`` (1-D, 2-D as ``(replicate, shard)`` or 3-D as
+            ``(replicate, shard, tensor)``, over every rank in order, as ``init_device_mesh`` makes it) is used as
+            it is; it needs a process group started by the launcher.
         tensor_parallel_size: split the layers of the tensor-parallel plan over groups of this many adjacent ranks
             (inside a node; it must divide the devices per node), and shard with FSDP2 over the rest (1, default: no
             tensor parallelism). The ranks of a group compute one batch together: ``distributed_sampler_kwargs``

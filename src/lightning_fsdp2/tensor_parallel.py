@@ -11,26 +11,30 @@ torch ``ParallelStyle`` objects, or a callable ``(model, tensor_mesh)`` that par
 Why it composes with FSDP2: a parameter split here is a ``DTensor`` on the tensor mesh, and ``fully_shard`` over the
 data-parallel mesh (a sibling sub-mesh of the same device mesh) shards each rank's piece again, so checkpoints,
 loads and gathers see one ``DTensor`` per parameter with both placements. Parameters the plan leaves whole (norms,
-LoRA's replicated half) are the same on every rank of a tensor group: their gradients come out the same there (the
-inputs of the split layers are all-reduced in backward), so FSDP2's data-parallel reduction is all they need.
+LoRA's replicated half) are the same on every rank of a tensor group, and so are their gradients (the inputs of the
+split layers are all-reduced in backward), so FSDP2's data-parallel reduction is all they need; the exception, norms
+inside the split heads (Qwen3's ``q_norm``), is all-reduced over the tensor group in backward
+(``"replicated_with_grad_allreduce"``).
 
 peft's LoRA layers on a split layer follow peft's own TP code (``peft_support.shard_lora_adapters``): behind a
 colwise base ``lora_B`` is split like it and ``lora_A`` stays whole; behind a rowwise base the reverse.
 
-Everything here runs on ``meta`` (transformers' styles only make placeholders there), before anything is allocated.
+On a model built on ``meta`` (the default) nothing here allocates: transformers' styles only make placeholders. With
+``meta_init=False`` the styles cut each rank's piece out of the whole tensors every rank holds.
 """
 
 from __future__ import annotations
 
 import re
 from collections.abc import Callable, Iterable, Mapping
-from typing import Any, Union
+from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_fsdp2.init import outermost
 from lightning_fsdp2.layout import is_split
 from lightning_fsdp2.peft_support import (
     check_tensor_parallel_adapter,
@@ -40,27 +44,44 @@ from lightning_fsdp2.peft_support import (
     shard_lora_adapters,
 )
 
-TensorParallelPlan = Union[Mapping[str, Any], Callable[[nn.Module, DeviceMesh], Any], None]
+TensorParallelPlan = Mapping[str, Any] | Callable[[nn.Module, DeviceMesh], Any] | None
 """What ``FSDP2Strategy(tensor_parallel_plan=...)`` takes: ``None`` (the Hugging Face model's own plan), a mapping of
 module-name patterns (``*`` for one name part, e.g. a layer number) to transformers' style names (``"colwise"``,
 ``"rowwise"``, ``"embedding_rowwise"``, ...) or torch ``ParallelStyle`` objects, or a callable ``(model,
 tensor_mesh)``."""
 
+SUPPORTED_STYLES = frozenset({
+    "colwise", "rowwise", "colwise_gather_output", "rowwise_split_input", "embedding_rowwise",
+    "replicated_with_grad_allreduce",
+})
+"""transformers' style names that run (and are tested against one process) under FSDP2Strategy. The others either
+split weights in packed pieces that loads and checkpoints cannot read slice by slice (``packed_colwise``, MoE
+experts), or change activation layouts in ways no test here checks (``sequence_parallel``, ...): refused by name."""
+
+_PACKED = frozenset({"packed_colwise", "packed_rowwise", "moe_tp_experts", "moe_identity_expert"})
+
 
 def check_plan_option(plan: Any) -> TensorParallelPlan:
-    """``tensor_parallel_plan`` as the strategies keep it, or a ``TypeError`` saying what it takes (at construction)."""
+    """``tensor_parallel_plan`` as the strategies keep it, or an error saying what it takes (at construction)."""
     if plan is None or (callable(plan) and not isinstance(plan, Mapping)):
         return plan
-    if isinstance(plan, Mapping) and plan:
+    if isinstance(plan, Mapping) and not plan:
+        raise ValueError(
+            "FSDP2Strategy(tensor_parallel_plan={}): the plan is empty. Name the layers to split, e.g."
+            " {'model.layers.*.mlp.up_proj': 'colwise', 'model.layers.*.mlp.down_proj': 'rowwise'}, or pass None for"
+            " a Hugging Face model's own plan."
+        )
+    if isinstance(plan, Mapping):
         from torch.distributed.tensor.parallel import ParallelStyle
 
         bad = {k: v for k, v in plan.items() if not isinstance(k, str) or not isinstance(v, (str, ParallelStyle))}
         if not bad:
-            unknown = sorted({v for v in plan.values() if isinstance(v, str) and v not in _style_names()})
+            unknown = sorted({v for v in plan.values() if isinstance(v, str) and v not in SUPPORTED_STYLES})
             if unknown:
                 raise ValueError(
-                    f"FSDP2Strategy(tensor_parallel_plan=...): unknown style name(s) {unknown}; transformers' styles"
-                    f" are {sorted(_style_names())}, or pass torch ParallelStyle objects (ColwiseParallel(), ...)."
+                    f"FSDP2Strategy(tensor_parallel_plan=...): unknown or unsupported style name(s) {unknown}; the"
+                    f" names FSDP2Strategy runs are {sorted(SUPPORTED_STYLES)} (transformers' styles), or pass torch"
+                    " ParallelStyle objects (ColwiseParallel(), ...)."
                 )
             return dict(plan)
     raise TypeError(
@@ -70,22 +91,16 @@ def check_plan_option(plan: Any) -> TensorParallelPlan:
     )
 
 
-def _style_names() -> set[str]:
-    from transformers.distributed.tensor_parallel import ALL_PARALLEL_STYLES
-
-    return set(ALL_PARALLEL_STYLES.keys())
-
-
 # =============================================================================================== the step
-def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh | None, plan: TensorParallelPlan) -> list[str]:
+def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh | None, plan: TensorParallelPlan) -> None:
     """Split the layers ``plan`` names (the models' own plans when ``None``) over ``mesh``, the layout's tensor
-    dimension; return the names of the parameters split. Nothing without a tensor dimension (``mesh`` ``None``).
+    dimension. Nothing without a tensor dimension (``mesh`` ``None``).
 
     Every rank built the same model, so every check raises on every rank alike, before anything is allocated.
     Afterwards the ranks of a tensor group draw the same random numbers (dropout on the activations they share must
     drop the same elements)."""
     if mesh is None:
-        return []
+        return
     tied = _tied_parameters(module)
     if callable(plan):
         plan(module, mesh)
@@ -95,8 +110,7 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh | None, plan: Tens
         for step in steps:
             step.apply(mesh)
     _retie(module, tied)
-    split = split_parameter_names(module, mesh)
-    if not split:
+    if not any(splits_on(param, mesh) for param in module.parameters()):
         raise ValueError(
             f"FSDP2Strategy(tensor_parallel_size={mesh.size()}): the tensor-parallel plan split no parameter of"
             f" {_model_names(module)}. Pass tensor_parallel_plan={{...}} naming its linear layers (module names as in"
@@ -104,7 +118,6 @@ def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh | None, plan: Tens
         )
     check_divisible(module, mesh)
     share_random_state(mesh)
-    return split
 
 
 class _Step:
@@ -129,7 +142,9 @@ class _Step:
         target = module.get_base_layer() if adapters else module
         for param, param_style in self.params.items():
             ALL_PARALLEL_STYLES[param_style].shard_param(target, param, mesh)
-        if self.style is not None:  # None: only parameters of this module are named by the plan
+        if self.style == "replicated_with_grad_allreduce":
+            all_reduce_gradients_in_backward(target, mesh)
+        elif self.style is not None:  # None: only parameters of this module are named by the plan
             ALL_PARALLEL_STYLES[self.style].install_forward(target, mesh)
         if adapters:
             shard_lora_adapters(module, self.style, mesh, self.name)
@@ -139,6 +154,7 @@ def plan_steps(module: nn.Module, plan: Mapping[str, Any] | None) -> list[_Step]
     """The layers to split, each with its style: the user's ``plan`` matched against ``module``'s module names, or
     (``None``) every outermost Hugging Face model's own plan, expanded by transformers to its concrete layers."""
     steps = _user_steps(module, plan) if plan is not None else _model_steps(module)
+    check_styles(module, steps)
     for step in steps:
         layer = step.root.get_submodule(step.name)
         if is_peft_layer(layer):
@@ -175,16 +191,16 @@ def _model_steps(module: nn.Module) -> list[_Step]:
     """Transformers' expansion of each outermost ``PreTrainedModel``'s plan: its parameter entries (sharded) and module
     entries (hooked), here grouped per module; a peft layer's entry is taken to its base layer."""
     steps = []
-    for prefix, model in _outermost_models(module):
+    for prefix, model in _models(module):
         rules = dict(getattr(model, "tp_plan", None) or {})
         if not rules:
             continue
         expanded = model._expand_parallel_plan(rules)  # transformers' own wildcard expansion, on this model's names
         inside = names_inside_adapter_layers(model)
         for name, layer in model.named_modules():
-            style = expanded.get(name)
             if name in inside:
                 continue
+            style = expanded.get(name)
             if is_tuner_layer(layer):  # peft wrapped the layer after transformers planned it: all of its base's
                 params = {p: style for p, _ in layer.get_base_layer().named_parameters(recurse=False)} if style else {}
             else:  # each parameter by its own entry (the module's, or one of its own)
@@ -204,11 +220,36 @@ def _model_steps(module: nn.Module) -> list[_Step]:
 
 
 # =============================================================================================== checks
+def check_styles(module: nn.Module, steps: list[_Step]) -> None:
+    """Refuse the model's own plan's styles that do not run here (``SUPPORTED_STYLES``), naming the layers."""
+    unsupported: dict[str, list[str]] = {}
+    for step in steps:
+        for style in {step.style, *step.params.values()}:
+            if isinstance(style, str) and style not in SUPPORTED_STYLES:
+                unsupported.setdefault(style, []).append(step.name)
+    if not unsupported:
+        return
+    shown = {style: names[:3] + (["..."] if len(names) > 3 else []) for style, names in unsupported.items()}
+    if set(unsupported) & _PACKED:
+        raise ValueError(
+            f"FSDP2Strategy(tensor_parallel_size>1): the plan of {_model_names(module)} splits layers in packed pieces"
+            f" (transformers' 'packed_colwise'/'packed_rowwise', e.g. MoE experts' fused gate_up_proj: {shown}), which"
+            " loads and checkpoints cannot read slice by slice yet. Pass tensor_parallel_plan={...} without those"
+            " layers (e.g. the attention projections, embeddings and head only), or train this model with FSDP or"
+            " HSDP (no tensor_parallel_size)."
+        )
+    raise ValueError(
+        f"FSDP2Strategy(tensor_parallel_size>1): the plan of {_model_names(module)} uses style(s) FSDP2Strategy does"
+        f" not run yet: {shown}. It runs {sorted(SUPPORTED_STYLES)}: pass tensor_parallel_plan={{...}} without those"
+        " layers, or train without tensor parallelism."
+    )
+
+
 def check_heads(module: nn.Module, steps: list[_Step], size: int) -> None:
     """Each rank of a tensor group computes whole attention heads: the plan's models' head counts must divide by
     ``size``."""
     split = {step.name.rsplit(".", 1)[-1] for step in steps}
-    for _, model in _outermost_models(module):
+    for _, model in _models(module):
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         heads = getattr(config, "num_attention_heads", None)
         kv_heads = getattr(config, "num_key_value_heads", None) or heads
@@ -226,8 +267,8 @@ def check_heads(module: nn.Module, steps: list[_Step], size: int) -> None:
 def check_divisible(module: nn.Module, mesh: DeviceMesh) -> None:
     """Every split dimension divides evenly over the tensor group (the uneven pieces transformers allows would leave
     the last rank short, which FSDP2's sharding and our slice arithmetic do not follow), and no parameter is split in
-    packed pieces (a fused gate/up weight, MoE experts: each rank's piece is not one block of the whole, so loads and
-    checkpoints cannot read it slice by slice)."""
+    packed pieces (a torch style or a callable plan can make them too: each rank's piece is not one block of the
+    whole, so loads and checkpoints cannot read it slice by slice)."""
     from torch.distributed.tensor import DTensor
 
     uneven, packed = [], []
@@ -242,10 +283,8 @@ def check_divisible(module: nn.Module, mesh: DeviceMesh) -> None:
     if packed:
         raise ValueError(
             f"FSDP2Strategy(tensor_parallel_size={mesh.size()}): the plan splits {packed[:5]}"
-            f"{' ...' if len(packed) > 5 else ''} in packed pieces (transformers' 'packed_colwise'/'packed_rowwise',"
-            " e.g. MoE experts' fused gate_up_proj), which loads and checkpoints cannot read slice by slice yet. Pass"
-            " tensor_parallel_plan={...} without those layers (e.g. the attention projections, embeddings and head"
-            " only), or train this model with FSDP or HSDP (no tensor_parallel_size)."
+            f"{' ...' if len(packed) > 5 else ''} in packed pieces, which loads and checkpoints cannot read slice by"
+            " slice yet. Pass tensor_parallel_plan={...} without those layers, or train without tensor parallelism."
         )
     if uneven:
         raise ValueError(
@@ -255,10 +294,30 @@ def check_divisible(module: nn.Module, mesh: DeviceMesh) -> None:
         )
 
 
-# =============================================================================================== after the split
-def split_parameter_names(module: nn.Module, mesh: DeviceMesh) -> list[str]:
-    """Names of the parameters of ``module`` that ``mesh`` (the tensor dimension) splits."""
-    return [name for name, param in module.named_parameters() if splits_on(param, mesh)]
+# =============================================================================================== during and after
+def all_reduce_gradients_in_backward(module: nn.Module, mesh: DeviceMesh) -> None:
+    """transformers' ``"replicated_with_grad_allreduce"`` (a norm inside the split heads, such as Qwen3's ``q_norm``:
+    whole on every rank, but each rank's gradient covers its own heads only), done inside autograd: each forward uses
+    the parameters through an identity whose backward sums the gradient over the tensor group. transformers' own
+    version all-reduces ``param.grad`` after it accumulates, which under FSDP2's accumulation without reduction
+    (``no_backward_sync``, ``accumulate_grad_batches``) would sum the earlier micro-batches' gradients again."""
+    from transformers.distributed.parallel_utils import _AllReduceBackward
+
+    group = mesh.get_group()
+    originals: dict[str, nn.Parameter] = {}
+
+    def through_identity(sub: nn.Module, args: Any) -> None:
+        for name, param in sub._parameters.items():
+            if param is not None and param.requires_grad and torch.is_grad_enabled():
+                originals[name] = param
+                sub._parameters[name] = _AllReduceBackward.apply(param, group)  # type: ignore[assignment]
+
+    def restore(sub: nn.Module, args: Any, output: Any) -> None:
+        sub._parameters.update(originals)
+        originals.clear()
+
+    module.register_forward_pre_hook(through_identity)
+    module.register_forward_hook(restore, always_call=True)
 
 
 def splits_on(tensor: Tensor, mesh: DeviceMesh) -> bool:
@@ -326,40 +385,39 @@ def _tied_parameters(module: nn.Module) -> list[list[tuple[nn.Module, str]]]:
 
 
 def _retie(module: nn.Module, tied: list[list[tuple[nn.Module, str]]]) -> None:
-    """Tie again what the split untied: a style replaces the parameter of the module it is applied to, so a tied
-    weight's other holders kept the whole one (or got a second split copy). The first holder's split tensor is kept
-    when the others' are whole or split alike; different splits of one tensor are refused."""
+    """Tie again what the split untied: a style replaces the parameter of the module it is applied to, so each holder
+    of a tied weight got a split copy of its own. Kept: the first, when every holder's is split alike (each holder's
+    forward then expects that split); a weight split for one holder and left whole, or split otherwise, for another
+    is refused (the other's forward would meet a split weight it has no style for)."""
+    from torch.distributed.tensor import DTensor
+
     for holders in tied:
         params = [sub._parameters[attribute] for sub, attribute in holders]
-        from torch.distributed.tensor import DTensor
-
         split = [p for p in params if isinstance(p, DTensor)]
         if not split:
             continue
-        kept = split[0]
-        if any(p.placements != kept.placements for p in split[1:]):
-            names = [type(sub).__name__ + "." + attribute for sub, attribute in holders]
+        if len(split) < len(params) or any(p.placements != split[0].placements for p in split[1:]):
+            names = [f"{type(sub).__name__}.{attribute}" for sub, attribute in holders]
+            placements = [str(p.placements) if isinstance(p, DTensor) else "whole" for p in params]
             raise ValueError(
-                f"FSDP2Strategy(tensor_parallel_size>1): the tied parameter held by {names} is split differently by"
-                f" the plan ({[str(p.placements) for p in split]}). Give its holders styles that split it alike (a"
-                " vocab-parallel embedding with a colwise head), or untie the weights (tie_word_embeddings=False)."
+                f"FSDP2Strategy(tensor_parallel_size>1): the weight tied between {names} is split differently for"
+                f" each ({placements}). Give every holder a style that splits it alike (a vocab-parallel embedding"
+                " with a colwise head), leave all of them out of the plan, or untie the weights"
+                " (tie_word_embeddings=False)."
             )
         for sub, attribute in holders:
-            sub._parameters[attribute] = kept
+            sub._parameters[attribute] = split[0]
 
 
-def _outermost_models(module: nn.Module) -> list[tuple[str, nn.Module]]:
+def _models(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The outermost Hugging Face models in ``module``, with their names."""
     try:
         from transformers import PreTrainedModel
     except ImportError:
         return []
-    found: list[tuple[str, nn.Module]] = []
-    for name, sub in module.named_modules():
-        if isinstance(sub, PreTrainedModel) and not any(n == "" or name.startswith(f"{n}.") for n, _ in found):
-            found.append((name, sub))
-    return found
+    return outermost(module, PreTrainedModel)
 
 
 def _model_names(module: nn.Module) -> str:
-    models = [type(m).__name__ for _, m in _outermost_models(module)]
+    models = [type(m).__name__ for _, m in _models(module)]
     return ", ".join(models) if models else type(module).__name__

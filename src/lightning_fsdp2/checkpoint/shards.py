@@ -93,10 +93,12 @@ def _gather(tensor: Tensor, mode: Literal["copy", "view", "discard"], scratch: T
     mesh = tensor.device_mesh
     shard_dim = _rows_split_on(tensor)
     if shard_dim is None:
-        full = tensor.full_tensor()  # a layout FSDP2 does not make by default: the general (all-gather) path
+        # Split by more than one mesh dimension (tensor parallelism's split, sharded again by FSDP2), or otherwise:
+        # the general path, an all-gather (every rank briefly holds this one whole tensor).
+        full = tensor.full_tensor()
         return full.to("cpu", copy=True).contiguous() if keep else None
     group, world = mesh.get_group(shard_dim), mesh.size(shard_dim)
-    if not dist.is_initialized() or 0 not in dist.get_process_group_ranks(group):
+    if 0 not in dist.get_process_group_ranks(group):
         # Replicated over the other mesh dimensions (HSDP's replicas; a tensor group's ranks, for a parameter tensor
         # parallelism leaves whole, which lives on the data-parallel mesh alone): every group of the split dimension
         # holds the same pieces, so only the one that holds rank 0 sends them; the others have nothing to do.
