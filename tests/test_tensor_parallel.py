@@ -171,8 +171,9 @@ def _fabric_reference(arch: str, base: str, adapter: str | None, steps: int, cli
     return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses}
 
 
-def _fabric_tp(arch: str, base: str, adapter: str | None, steps: int, strategy: dict,
-               clip: float | None = None) -> dict:
+def _fabric_model(arch: str, base: str, adapter: str | None, strategy: dict):
+    """Fabric with our strategy, and the architecture's model built under init_module, loaded by load_pretrained (and
+    lora.load_adapter), set up."""
     from peft import get_peft_model
 
     from lightning_fsdp2 import load_pretrained
@@ -188,7 +189,12 @@ def _fabric_tp(arch: str, base: str, adapter: str | None, steps: int, strategy: 
         if adapter is not None:
             model = get_peft_model(model, _lora(arch))
             load_adapter(model, adapter)
-    model = fabric.setup_module(model)
+    return fabric, fabric.setup_module(model)
+
+
+def _fabric_tp(arch: str, base: str, adapter: str | None, steps: int, strategy: dict,
+               clip: float | None = None) -> dict:
+    fabric, model = _fabric_model(arch, base, adapter, strategy)
     split = fabric.strategy.distributed_sampler_kwargs
     losses = _train_loop(fabric, model, steps, split["num_replicas"], split["rank"], clip)
     return {"state": full_state(model), "losses": losses, "placements": _placements(model), "model": model}
@@ -234,15 +240,19 @@ def test_architectures_with_lora_under_tensor_parallelism_match_one_process(arch
 
 
 # =========================================================================== checkpoints across layouts
-@pytest.fixture(scope="module")
-def saved_tp(pretrained, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    """Checkpoints after one epoch at world size 2 as one tensor group of 2, in both formats."""
-    root = tmp_path_factory.mktemp("saved-tp")
+def _saved_after_one_epoch(pretrained, root, world: int) -> dict:
+    """Checkpoints after one epoch at TP 2 (with FSDP over the rest of ``world``), in both formats."""
     paths = {"full": root / "full.ckpt", "sharded": root / "sharded.ckpt"}
     for fmt, path in paths.items():
-        run_distributed(fit_resumable, 2, str(pretrained), 1, str(path), None,
+        run_distributed(fit_resumable, world, str(pretrained), 1, str(path), None,
                         {"state_dict_type": fmt, "tensor_parallel_size": 2})
     return paths
+
+
+@pytest.fixture(scope="module")
+def saved_tp(pretrained, tmp_path_factory: pytest.TempPathFactory) -> dict:
+    """Checkpoints after one epoch at world size 2 as one tensor group of 2."""
+    return _saved_after_one_epoch(pretrained, tmp_path_factory.mktemp("saved-tp"), 2)
 
 
 @pytest.mark.parametrize("fmt", ["full", "sharded"])
@@ -654,12 +664,8 @@ def test_fresh_initialization_at_tp2_fsdp2_draws_each_piece_once() -> None:
 
 @pytest.fixture(scope="module")
 def saved_tp_fsdp(pretrained, tmp_path_factory: pytest.TempPathFactory) -> dict:
-    root = tmp_path_factory.mktemp("saved-tp-fsdp")
-    paths = {"full": root / "full.ckpt", "sharded": root / "sharded.ckpt"}
-    for fmt, path in paths.items():
-        run_distributed(fit_resumable, 4, str(pretrained), 1, str(path), None,
-                        {"state_dict_type": fmt, "tensor_parallel_size": 2})
-    return paths
+    """Checkpoints after one epoch at world size 4 as TP 2 x FSDP 2."""
+    return _saved_after_one_epoch(pretrained, tmp_path_factory.mktemp("saved-tp-fsdp"), 4)
 
 
 @pytest.mark.slow
@@ -757,22 +763,7 @@ def test_trainable_only_and_async_saves_under_tensor_parallelism_resume_exactly(
 
 def _accumulate_fabric(base: str, adapter: str | None, arch: str = "llama") -> dict:
     """Fabric at TP 2: two micro-batches per step, the first under no_backward_sync."""
-    from peft import get_peft_model
-
-    from lightning_fsdp2 import load_pretrained
-    from lightning_fsdp2.fabric import FSDP2Strategy as FabricStrategy
-    from lightning_fsdp2.lora import load_adapter
-    from tests.models import tiny_model
-
-    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=FabricStrategy(tensor_parallel_size=2))
-    fabric.launch()
-    with fabric.init_module():
-        model = tiny_model(arch)[0]
-        load_pretrained(model, base)
-        if adapter is not None:
-            model = get_peft_model(model, _lora(arch))
-            load_adapter(model, adapter)
-    model = fabric.setup_module(model)
+    fabric, model = _fabric_model(arch, base, adapter, {"tensor_parallel_size": 2})
     optimizer = fabric.setup_optimizers(
         torch.optim.SGD([p for p in model.parameters() if p.requires_grad], lr=0.05, momentum=0.9))
     synced = []
