@@ -142,7 +142,7 @@ def _strategy(name: str):
             return FSDP2Strategy(tensor_parallel_size=tensor)
         from lightning.pytorch.strategies import ModelParallelStrategy
 
-        return ModelParallelStrategy(data_parallel_size=TP_WORLD // tensor, tensor_parallel_size=tensor)
+        return ModelParallelStrategy(data_parallel_size=_world_size() // tensor, tensor_parallel_size=tensor)
     if name in ("fsdp2", "fsdp2_keep"):
         from lightning_fsdp2 import FSDP2Strategy
 
@@ -223,6 +223,7 @@ def main() -> None:
     parser.add_argument("--knobs", action="store_true", help="compile, activation checkpointing and prefetch instead")
     parser.add_argument("--tensor-parallel", action="store_true",
                         help="FSDP 4, TP 2 x FSDP 2 and TP 4 at world size 4, each against ModelParallelStrategy")
+    parser.add_argument("--tp-world", type=int, default=4, help="--tensor-parallel's world size (default 4)")
     parser.add_argument("--only", nargs="*", help="contenders to run (default: all)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     parser.add_argument("--accelerator", default="cuda" if torch.cuda.device_count() >= 4 else "cpu")
@@ -307,21 +308,25 @@ def _knobs(args: argparse.Namespace, out: Path, n_params: int) -> None:
     _write(out / "knobs", rows, lines, command + (f" --only {' '.join(args.only)}" if args.only else ""))
 
 
-TP_WORLD = 4
-TP_LAYOUTS = ["fsdp4", "tp2", "tp4"]
+def _world_size() -> int:
+    import os
+
+    return int(os.environ["WORLD_SIZE"])
 
 
 def _tensor_parallel(args: argparse.Namespace, out: Path, n_params: int) -> None:
-    names = args.only or [f"{c}@{layout}" for layout in TP_LAYOUTS for c in ("fsdp2", "model_parallel")]
-    rows = measure(names, {n: TP_WORLD for n in names}, args.repeats, args.accelerator)
-    lines = [f"Tensor parallelism at world size {TP_WORLD}, Llama {n_params / 1e6:.0f}M parameters (LoRA r=8 on"
-             f" q/k/v/o), seq {SEQ}, {BATCH * TP_WORLD} sequences per step (per data-parallel rank: {BATCH} x the"
+    world = args.tp_world
+    layouts = [f"fsdp{world}"] + [f"tp{t}" for t in (2, 4, 8) if t <= world and world % t == 0]
+    names = args.only or [f"{c}@{layout}" for layout in layouts for c in ("fsdp2", "model_parallel")]
+    rows = measure(names, {n: world for n in names}, args.repeats, args.accelerator)
+    lines = [f"Tensor parallelism at world size {world}, Llama {n_params / 1e6:.0f}M parameters (LoRA r=8 on"
+             f" q/k/v/o), seq {SEQ}, {BATCH * world} sequences per step (per data-parallel rank: {BATCH} x the"
              f" tensor size), fp32, {args.accelerator}, 1 thread per process, median of {args.repeats}. Peer:"
              " ModelParallelStrategy with the same plan written by hand (torch's styles, then fully_shard).", "",
-             "| layout | FSDP2Strategy tokens/s | peer tokens/s | FSDP2Strategy / peer | x FSDP 4 (ours) |"
+             "| layout | FSDP2Strategy tokens/s | peer tokens/s | FSDP2Strategy / peer | x FSDP (ours) |"
              " peak RSS per rank, ours / peer (MB) |", "|---|---:|---:|---:|---:|---:|"]
-    fsdp = rows.get("fsdp2@fsdp4", {}).get("tokens_per_s")
-    for layout in TP_LAYOUTS:
+    fsdp = rows.get(f"fsdp2@fsdp{world}", {}).get("tokens_per_s")
+    for layout in layouts:
         ours, peer = rows.get(f"fsdp2@{layout}"), rows.get(f"model_parallel@{layout}")
         if ours is None:
             continue
@@ -331,6 +336,7 @@ def _tensor_parallel(args: argparse.Namespace, out: Path, n_params: int) -> None
         theirs = f"{peer['tokens_per_s']:.0f}" if peer else "-"
         lines.append(f"| {layout} | {ours['tokens_per_s']:.0f} | {theirs} | {ratio} | {vs_fsdp} | {peaks} |")
     command = f"python benchmarks/throughput.py --tensor-parallel --repeats {args.repeats}"
+    command += f" --tp-world {world}" if world != 4 else ""
     _write(out / "tensor-parallel", rows, lines, command + (f" --only {' '.join(args.only)}" if args.only else ""))
 
 
