@@ -287,13 +287,9 @@ def is_peft_layer(module: nn.Module) -> bool:
 
 def names_inside_adapter_layers(model: nn.Module) -> set[str]:
     """Qualified names of the modules strictly below a peft tuner layer (e.g. ``...q_proj.lora_A.default``)."""
-    try:
-        from peft.tuners.tuners_utils import BaseTunerLayer
-    except ImportError:  # peft is a dependency, but the wrapping works without it
-        return set()
     inside: set[str] = set()
     for name, module in model.named_modules():
-        if isinstance(module, BaseTunerLayer):
+        if is_tuner_layer(module):
             inside.update(f"{name}.{sub}" for sub, _ in module.named_modules() if sub)
     return inside
 
@@ -328,10 +324,10 @@ def shard_lora_adapters(layer: nn.Module, style: str, mesh: Any, name: str) -> N
     output has the base's layout and the two add up."""
     from peft.tuners.lora.model import add_lora_tp_hooks_dtensor
 
-    half = layer.lora_B if style == "colwise" else layer.lora_A
-    for adapter in list(half.keys()):
-        add_lora_tp_hooks_dtensor(half[adapter], style, mesh, base_layer=layer.get_base_layer(),
-                                  module_name=f"{name}.{'lora_B' if style == 'colwise' else 'lora_A'}.{adapter}")
+    half = "lora_B" if style == "colwise" else "lora_A"
+    for adapter, module in getattr(layer, half).items():
+        add_lora_tp_hooks_dtensor(module, style, mesh, base_layer=layer.get_base_layer(),
+                                  module_name=f"{name}.{half}.{adapter}")
 
 
 # =============================================================================================== init rules
