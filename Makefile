@@ -31,12 +31,14 @@ test: $(STAMP)
 demo: $(DEMO_STAMP)
 	$(PY) examples/lora_finetune.py
 
-# Benchmarks (about 45 minutes on 2 CPU cores): results in benchmarks/results/, tables in docs/performance.md.
+# Benchmarks (about 75 minutes on 2 CPU cores): results in benchmarks/results/, tables in docs/performance.md.
 bench: $(STAMP)
 	$(PY) benchmarks/throughput.py --repeats 3
 	$(PY) benchmarks/throughput.py --scaling --repeats 2
 	$(PY) benchmarks/throughput.py --knobs --repeats 2
 	$(PY) benchmarks/throughput.py --tensor-parallel --repeats 2
+	$(PY) benchmarks/auto_layout.py --estimate
+	$(PY) benchmarks/auto_layout.py --contest --repeats 2
 	$(PY) benchmarks/load_pretrained.py --size large --repeats 3
 	$(PY) benchmarks/save.py --sizes small medium large --async-size large --repeats 3
 	$(PY) benchmarks/memory.py --size large --steps 4

@@ -7,6 +7,8 @@ on one CUDA device, in the same run, contenders alternating:
 - ``model_parallel``: Lightning's ``ModelParallelStrategy(data_parallel_size=1, tensor_parallel_size=1)`` with the
   hand-written per-layer ``fully_shard`` its docs show;
 - ``single``: Lightning's single-device strategy, no sharding (the compute bound on one GPU);
+- ``fsdp2+auto``: ``FSDP2Strategy(device_mesh="auto", batch_shape=...)``: its estimate of the per-rank peak against
+  ``max_memory_allocated`` and ``max_memory_reserved`` (how well ``ALLOCATOR_SHARE["cuda"]`` holds);
 - with ``--knobs``: ``fsdp2+compile`` (``compile=True``), ``fsdp2+ac`` / ``fsdp2+ac_matmuls`` (every decoder layer
   checkpointed, wholly / saving its matmuls), ``model_parallel+compile`` (the hand-written recipe with
   ``torch.compile`` on each layer before its ``fully_shard``, as torchtitan does).
@@ -120,6 +122,10 @@ def _strategy(name: str, world: int = 1):
         from lightning.pytorch.strategies import ModelParallelStrategy
 
         return ModelParallelStrategy(data_parallel_size=world // tensor, tensor_parallel_size=tensor)
+    if name == "fsdp2+auto":  # the layout chosen from memory, the activations estimated for this batch
+        from lightning_fsdp2 import FSDP2Strategy
+
+        return FSDP2Strategy(device_mesh="auto", batch_shape=(BATCH, SEQ))
     if name == "fsdp2" or name in KNOBS:
         from transformers.models.llama.modeling_llama import LlamaDecoderLayer
 
@@ -141,17 +147,22 @@ def _train(name: str, world: int = 1) -> dict:
     module = LoRALlama(shard=name.startswith("model_parallel"), compile=name.endswith("+compile"),
                        tensor_parallel="@" in name, batch=BATCH * tensor)
     torch.cuda.reset_peak_memory_stats()
+    strategy = _strategy(name, world)
     # The same work for every contender: Lightning's stock bf16-true casts the adapters to bf16, so FSDP2Strategy's
     # precision keeps them in bf16 too here (its default stores them in fp32).
     precision = ({"plugins": [FSDP2Precision("bf16-true", adapter_dtype=None)]} if name.startswith("fsdp2")
                  else {"precision": "bf16-true"})
-    trainer = L.Trainer(accelerator="cuda", devices=world, strategy=_strategy(name, world), **precision,
+    trainer = L.Trainer(accelerator="cuda", devices=world, strategy=strategy, **precision,
                         max_steps=WARMUP + TIMED, logger=False, enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.fit(module)
     timed = module.times[WARMUP - 1:]
+    choice = getattr(strategy, "layout_choice", None)
     return {"tokens_per_s": TIMED * BATCH * SEQ * world / (timed[-1] - timed[0]),  # distinct tokens
-            "peak_gb": torch.cuda.max_memory_allocated() / 2**30, "gpu": torch.cuda.get_device_name()}
+            "peak_gb": torch.cuda.max_memory_allocated() / 2**30, "gpu": torch.cuda.get_device_name(),
+            "reserved_gb": torch.cuda.max_memory_reserved() / 2**30,
+            "estimate_gb": choice.chosen.total / 2**30 if choice is not None else None,
+            "estimate_tensors_gb": (choice.chosen.total - choice.chosen.allocator) / 2**30 if choice else None}
 
 
 def main() -> None:
@@ -166,7 +177,7 @@ def main() -> None:
     if args.tensor_parallel:
         _tensor_parallel(args)
         return
-    names = ["fsdp2", "model_parallel", "single"] + ([*KNOBS, "model_parallel+compile"] if args.knobs else [])
+    names = ["fsdp2", "model_parallel", "single", "fsdp2+auto"] + ([*KNOBS, "model_parallel+compile"] if args.knobs else [])
     runs: dict[str, list[dict]] = {n: [] for n in names}
     for repeat in range(args.repeats):
         for name in names if repeat % 2 == 0 else list(reversed(names)):
@@ -184,7 +195,8 @@ def main() -> None:
     for name, results in runs.items():
         tps = statistics.median(r["tokens_per_s"] for r in results)
         rows[name] = {"tokens_per_s": tps, "peak_gb": max(r["peak_gb"] for r in results),
-                      "mfu": 4 * n_params * tps / peak if peak else None}
+                      "mfu": 4 * n_params * tps / peak if peak else None,
+                      **{k: results[0][k] for k in ("reserved_gb", "estimate_gb", "estimate_tensors_gb")}}
     command = f"python benchmarks/gpu.py --repeats {args.repeats}" + (" --knobs" if args.knobs else "")
     lines = [f"LoRA (r=16, q/k/v/o) on a {n_params / 1e9:.2f}B Llama, bf16-true, seq {SEQ}, batch {BATCH}, one {gpu},"
              f" median of {args.repeats}; all adapters bf16. MFU: 4 x parameters x tokens/s over the dense bf16 peak.", "",
@@ -193,6 +205,13 @@ def main() -> None:
         mfu = f"{row['mfu']:.1%}" if row["mfu"] is not None else "-"
         lines.append(f"| {name} | {row['tokens_per_s']:.0f} | {rows['fsdp2']['tokens_per_s'] / row['tokens_per_s']:.2f}x"
                      f" | {mfu} | {row['peak_gb']:.2f} |")
+    auto = rows["fsdp2+auto"]
+    if auto["estimate_gb"] is not None:
+        lines += ["", f"`device_mesh=\"auto\"`'s estimate of the chosen layout: {auto['estimate_gb']:.2f} GB"
+                  f" ({auto['estimate_tensors_gb']:.2f} GB in tensors, the rest the allocator's share) against"
+                  f" max_memory_allocated {auto['peak_gb']:.2f} GB and max_memory_reserved {auto['reserved_gb']:.2f} GB"
+                  f" (estimate / allocated: {auto['estimate_tensors_gb'] / auto['peak_gb']:.2f}x in tensors,"
+                  f" {auto['estimate_gb'] / auto['reserved_gb']:.2f}x of reserved)."]
     lines += ["", f"Command: `{command}`"]
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)

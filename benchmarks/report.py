@@ -2,7 +2,7 @@
 
     python benchmarks/report.py      # run by `make bench` after the benchmarks
 
-Reads ``benchmarks/results/*.json`` and ``*.md`` (written by throughput.py (four tables), load_pretrained.py, save.py
+Reads ``benchmarks/results/*.json`` and ``*.md`` (written by throughput.py (four tables), auto_layout.py (two), load_pretrained.py, save.py
 and memory.py); sections
 whose results are missing say so.
 """
@@ -29,6 +29,12 @@ SECTIONS = [
      " each against Lightning's ModelParallelStrategy with the same plan written by hand. On CPUs with gloo TP is"
      " expected to be slower than FSDP: its all-reduces sit on the critical path of every layer, on the same cores"
      " that compute; `benchmarks/gpu.py --tensor-parallel` measures it on two or more GPUs."),
+    ("The layout chosen from memory: the estimate", "auto-estimate", "`device_mesh=\"auto\"`'s per-rank estimate of the"
+     " two layouts at world size 2 (whole replicas, full sharding) against the measured peak resident set, at three"
+     " model sizes (`python benchmarks/auto_layout.py --estimate`)."),
+    ("The layout chosen from memory: against DDP and full sharding", "auto-layout", "`device_mesh=\"auto\"` on an"
+     " emulated device (each process's memory capped), against Lightning's DDP and `FSDP2Strategy()`, where DDP fits,"
+     " in between, and where it does not (`python benchmarks/auto_layout.py --contest`)."),
     ("Start-up: loading a pretrained model", "load_pretrained-large", "load_pretrained on meta against an eager build "
      "plus whole-state-dict load then sharding, against transformers sharding the model itself "
      "(`from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2))`, which FSDP2Strategy refuses to take "

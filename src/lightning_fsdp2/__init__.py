@@ -12,6 +12,7 @@ check_torch_version(torch.__version__)
 
 from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 
+from lightning_fsdp2.auto_layout import LayoutChoice, estimate_layouts  # noqa: E402
 from lightning_fsdp2.checkpoint import CheckpointFileError, load_pretrained  # noqa: E402
 from lightning_fsdp2.init import UninitializedError  # noqa: E402
 from lightning_fsdp2.precision import FSDP2Precision  # noqa: E402
@@ -30,7 +31,9 @@ __all__ = [
     "CheckpointFileError",
     "FSDP2Precision",
     "FSDP2Strategy",
+    "LayoutChoice",
     "UninitializedError",
     "__version__",
+    "estimate_layouts",
     "load_pretrained",
 ]

@@ -23,6 +23,7 @@ from lightning.fabric.utilities.distributed import (
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.rank_zero import rank_zero_info
 from lightning.fabric.utilities.rank_zero import rank_zero_only as fabric_rank_zero_only
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
@@ -30,6 +31,7 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
+from lightning_fsdp2.auto_layout import AutoLayout, LayoutChoice, agreed_budget
 from lightning_fsdp2.checkpoint.pretrained import DeferredLoads
 from lightning_fsdp2.init import meta_init_context
 from lightning_fsdp2.layout import Layout
@@ -59,6 +61,8 @@ class FrontEndCore:
         self._process_group_backend = options.process_group.backend
         self._layout: Layout | None = None
         self._device_mesh = None
+        self._auto_layout: AutoLayout | None = None  # device_mesh="auto": the request, until a model is set up
+        self._layout_choice: LayoutChoice | None = None  # ... and what it chose
         self._deferred = DeferredLoads()  # load_pretrained calls made while the model is built, run after sharding
 
     @property
@@ -74,21 +78,30 @@ class FrontEndCore:
     # ---------------------------------------------------------------- processes, layout, mesh
     @property
     def layout(self) -> Layout:
-        """The processes' layout (named mesh dimensions and their sizes), resolved when the processes start."""
+        """The processes' layout (named mesh dimensions and their sizes), resolved when the processes start (with
+        ``device_mesh="auto"``: chosen when the first model is set up)."""
         if self._layout is None:
-            raise RuntimeError(
-                "The layout exists only after the processes have been set up (in `fit`, or by `fabric.launch()`)."
-            )
+            when = ("when the model is set up (device_mesh='auto' chooses it from the model's memory)"
+                    if self._auto_layout is not None else
+                    "after the processes have been set up (in `fit`, or by `fabric.launch()`)")
+            raise RuntimeError(f"The layout exists only {when}.")
         return self._layout
+
+    @property
+    def layout_choice(self) -> LayoutChoice | None:
+        """With ``device_mesh="auto"``, once a model is set up: every candidate layout's estimated per-rank memory,
+        the budget, and the layout chosen (``.chosen``; ``.table()`` shows them). ``None`` otherwise."""
+        return self._layout_choice
 
     @property
     def device_mesh(self) -> DeviceMesh:
         """The mesh parameters are sharded on: 1-D ``("shard",)`` over all processes, or 2-D ``("replicate", "shard")``
         with ``device_mesh=(replicate, shard)`` (HSDP)."""
         if self._device_mesh is None:
-            raise RuntimeError(
-                "The device mesh exists only after the processes have been set up (in `fit`, or by `fabric.launch()`)."
-            )
+            when = ("when the model is set up (device_mesh='auto' chooses the layout from the model's memory)"
+                    if self._auto_layout is not None else
+                    "after the processes have been set up (in `fit`, or by `fabric.launch()`)")
+            raise RuntimeError(f"The device mesh exists only {when}.")
         return self._device_mesh
 
     @property
@@ -141,15 +154,22 @@ class FrontEndCore:
         device = self.root_device
         # Sizes only, no collective yet: what cannot work raises on every rank alike.
         self._options.check_device(device)
-        self._layout = self._options.layout.resolve(self.world_size, self.num_processes, device.type)  # type: ignore[attr-defined]
-        self._options.check_layout(self._layout)
+        if not self._options.layout.auto:
+            self._layout = self._options.layout.resolve(self.world_size, self.num_processes, device.type)  # type: ignore[attr-defined]
+            self._options.check_layout(self._layout)
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(device)
         device_id = device if device.type != "cpu" else None
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._options.process_group.timeout,  # type: ignore[attr-defined]
             device_id=device_id,
         )
-        self._device_mesh = self._layout.build_mesh(device.type)
+        if self._layout is not None:
+            self._device_mesh = self._layout.build_mesh(device.type)
+        else:  # device_mesh="auto": chosen in `parallelize`, from the first model set up, against this budget
+            options = self._options.layout
+            self._auto_layout = AutoLayout(self.world_size, self.num_processes,  # type: ignore[attr-defined]
+                                           agreed_budget(options.memory_budget, device, self.num_processes),
+                                           options.batch_shape, device.type)
 
     # ---------------------------------------------------------------- the model
     @contextmanager
@@ -168,10 +188,12 @@ class FrontEndCore:
     ) -> Parallelized:
         """:func:`lightning_fsdp2.parallel.parallelize` with this strategy's layout, mesh, options and device, and
         the ``load_pretrained`` calls made while ``module`` was built."""
-        return parallelize(
+        request = self._layout if self._layout is not None else self._auto_layout
+        assert request is not None, "the processes are set up first"
+        result = parallelize(
             module,
-            self.device_mesh,
-            layout=self.layout,
+            self._device_mesh,
+            layout=request,
             options=self._options,
             precision=precision,
             device=self.root_device,
@@ -179,6 +201,10 @@ class FrontEndCore:
             training=training,
             module_is_root=module_is_root,
         )
+        if result.layout_choice is not None:  # the first model set up with "auto": its layout is the strategy's
+            self._layout, self._device_mesh, self._layout_choice = result.layout, result.mesh, result.layout_choice
+            rank_zero_info(result.layout_choice.describe())
+        return result
 
     # ---------------------------------------------------------------- collectives
     def barrier(self, *args: Any, **kwargs: Any) -> None:

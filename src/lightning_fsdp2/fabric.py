@@ -21,7 +21,7 @@ from collections.abc import Callable, Mapping
 from pathlib import Path
 from contextlib import AbstractContextManager
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 import torch
 from lightning.fabric.accelerators import Accelerator
@@ -67,7 +67,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
     Takes the sharding and checkpoint arguments of the Trainer's :class:`lightning_fsdp2.FSDP2Strategy`, with the
     same meaning: ``auto_wrap_policy``, ``activation_checkpointing_policy``, ``activation_checkpointing_every``,
     ``activation_checkpointing_save``, ``mixed_precision``, ``reshard_after_forward``, ``cpu_offload``,
-    ``device_mesh``, ``tensor_parallel_size``, ``tensor_parallel_plan``, ``compile``, ``forward_prefetch``,
+    ``device_mesh`` (``"auto"`` too), ``memory_budget``, ``batch_shape``, ``tensor_parallel_size``, ``tensor_parallel_plan``, ``compile``, ``forward_prefetch``,
     ``backward_prefetch``, ``reshard_last_block``,
     ``offload_activations``, ``unmatched_forward_timeout``, ``meta_init`` (what ``fabric.init_module()`` does when
     ``empty_init`` is not given), ``process_group_backend``, ``timeout``, ``state_dict_type`` and
@@ -94,7 +94,9 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         mixed_precision: MixedPrecisionPolicy | None = None,
         reshard_after_forward: bool | int = True,
         cpu_offload: bool | CPUOffloadPolicy = False,
-        device_mesh: tuple[int, int] | tuple[int, int, int] | DeviceMesh | None = None,
+        device_mesh: tuple[int, int] | tuple[int, int, int] | DeviceMesh | Literal["auto"] | None = None,
+        memory_budget: int | str | None = None,
+        batch_shape: tuple[int, int] | None = None,
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: TensorParallelPlan = None,
         activation_checkpointing_every: int = 1,

@@ -20,6 +20,7 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
+from lightning_fsdp2.auto_layout import BatchShape, check_memory_budget
 from lightning_fsdp2.blocks import SavePolicy, check_compile_options, check_save_policy
 from lightning_fsdp2.layout import Layout, MeshOption, check_mesh_option, check_tensor_parallel_size
 from lightning_fsdp2.tensor_parallel import TensorParallelPlan, check_plan_option
@@ -32,17 +33,58 @@ StateDictType = Literal["full", "sharded"]
 @dataclass(frozen=True)
 class LayoutOptions:
     """How the processes are arranged (``device_mesh``, ``tensor_parallel_size``); resolved into a
-    :class:`~lightning_fsdp2.layout.Layout` once the world size is known."""
+    :class:`~lightning_fsdp2.layout.Layout` once the world size is known, or, with ``device_mesh="auto"``, chosen
+    once the model exists from the memory it needs (``memory_budget``, ``batch_shape``: ``auto_layout.py``)."""
 
-    device_mesh: MeshOption = None
+    device_mesh: MeshOption | Literal["auto"] = None
     tensor_parallel_size: int = 1
+    memory_budget: int | None = None
+    batch_shape: BatchShape | None = None
 
     @classmethod
-    def from_arguments(cls, *, device_mesh: MeshOption = None, tensor_parallel_size: int = 1) -> LayoutOptions:
-        return cls(check_mesh_option(device_mesh), check_tensor_parallel_size(tensor_parallel_size))
+    def from_arguments(
+        cls,
+        *,
+        device_mesh: MeshOption | Literal["auto"] = None,
+        tensor_parallel_size: int = 1,
+        memory_budget: int | str | None = None,
+        batch_shape: BatchShape | None = None,
+    ) -> LayoutOptions:
+        auto = isinstance(device_mesh, str) and device_mesh == "auto"
+        mesh = "auto" if auto else check_mesh_option(device_mesh)
+        size = check_tensor_parallel_size(tensor_parallel_size)
+        budget = check_memory_budget(memory_budget)
+        if batch_shape is not None and not (
+            isinstance(batch_shape, (tuple, list)) and len(batch_shape) == 2
+            and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in batch_shape)
+        ):
+            raise TypeError(
+                f"FSDP2Strategy(batch_shape={batch_shape!r}): (sequences, tokens) of one rank's micro-batch, two"
+                " positive ints, which device_mesh='auto' estimates the activations for."
+            )
+        if not auto and (budget is not None or batch_shape is not None):
+            given = "memory_budget" if budget is not None else "batch_shape"
+            raise ValueError(
+                f"FSDP2Strategy({given}=...) is read by device_mesh='auto' (the layout chosen from the memory the run"
+                f" needs), and device_mesh is {device_mesh!r}. Pass device_mesh='auto' as well, or drop {given}."
+            )
+        if auto and size > 1:
+            raise ValueError(
+                f"FSDP2Strategy(device_mesh='auto', tensor_parallel_size={size}): 'auto' chooses among data-parallel"
+                " layouts (replicated, HSDP, fully sharded) only. With tensor parallelism give the layout:"
+                f" device_mesh=(replicate, shard, {size}) or tensor_parallel_size alone."
+            )
+        return cls(mesh, size, budget, tuple(batch_shape) if batch_shape is not None else None)  # type: ignore[arg-type]
+
+    @property
+    def auto(self) -> bool:
+        """The layout is chosen from the memory the run needs, once the model exists."""
+        return self.device_mesh == "auto"
 
     def resolve(self, world_size: int, devices_per_node: int, device_type: str) -> Layout:
-        return Layout.resolve(self.device_mesh, world_size, devices_per_node, device_type, self.tensor_parallel_size)
+        assert not self.auto
+        return Layout.resolve(self.device_mesh, world_size, devices_per_node, device_type,  # type: ignore[arg-type]
+                              self.tensor_parallel_size)
 
 
 @dataclass(frozen=True)
@@ -324,7 +366,24 @@ class StrategyOptions:
         for field, part in _PARTS.items():
             taken = inspect.signature(part.from_arguments).parameters
             parts[field] = part.from_arguments(**{k: v for k, v in arguments.items() if k in taken})
-        return cls(**parts)
+        options = cls(**parts)
+        options.check_auto_layout()
+        return options
+
+    def check_auto_layout(self) -> None:
+        """``device_mesh="auto"`` chooses ``reshard_after_forward`` too, for the device's memory: refuse a value given
+        with it, and ``cpu_offload`` (its state lives in host memory, which the device's budget does not count)."""
+        if not self.layout.auto:
+            return
+        given = [name for name, on in (("reshard_after_forward", self.shard.reshard_after_forward is not True),
+                                       ("cpu_offload", self.shard.offload_policy is not None)) if on]
+        if given:
+            raise ValueError(
+                f"FSDP2Strategy(device_mesh='auto', {', '.join(f'{n}=...' for n in given)}): 'auto' chooses the"
+                " layout and reshard_after_forward from the device memory the run needs, with everything on the"
+                f" device. Drop {' and '.join(given)}, or give the layout yourself (device_mesh=None or (replicate,"
+                " shard))."
+            )
 
     def check_device(self, device: torch.device) -> None:
         """Raise, on every rank alike, for options that cannot work on this device (checked first)."""

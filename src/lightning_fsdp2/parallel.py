@@ -9,6 +9,8 @@ in the module named):
 
 1. :func:`check_can_parallelize`: the refusals, on every rank alike, before anything changes;
 2. the precision plugin converts the module (``*-true``: parameters stored in bf16/fp16; on ``meta`` only metadata);
+   with ``device_mesh="auto"``, :func:`apply_auto_layout` then chooses the layout from what the converted model will
+   hold per rank against the device's memory (``auto_layout.py``), before anything is allocated;
 3. :func:`broadcast_real_tensors`: tensors built for real are made the same on every rank (rank 0's), so shards of
    one tensor fit together;
 4. ``tensor_parallel.apply_tensor_parallel``: with a tensor dimension in the layout, the layers the plan names are
@@ -34,7 +36,7 @@ from __future__ import annotations
 
 from collections.abc import Generator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
@@ -42,6 +44,7 @@ from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 
+from lightning_fsdp2.auto_layout import AutoLayout, LayoutChoice, choose_layout
 from lightning_fsdp2.checkpoint.module_load import install_load_hooks
 from lightning_fsdp2.checkpoint.pretrained import PlannedLoads
 from lightning_fsdp2.lockstep import guard_forwards
@@ -88,12 +91,21 @@ class Parallelized:
     """Names of the weights stored in NF4 (``load_pretrained(..., quantize="nf4")``): frozen, never saved in
     checkpoints (they come from ``load_pretrained`` again)."""
 
+    layout: Layout | None = None
+    """The layout the model was sharded in (the one given, or the one ``device_mesh="auto"`` chose)."""
+
+    mesh: DeviceMesh | None = None
+    """... and its device mesh."""
+
+    layout_choice: LayoutChoice | None = None
+    """With ``device_mesh="auto"``: every candidate layout's estimate and the one chosen."""
+
 
 def parallelize(
     module: nn.Module,
-    mesh: DeviceMesh,
+    mesh: DeviceMesh | None,
     *,
-    layout: Layout,
+    layout: Layout | AutoLayout,
     options: StrategyOptions,
     precision: ModulePrecision,
     device: torch.device,
@@ -103,16 +115,25 @@ def parallelize(
 ) -> Parallelized:
     """Convert, checkpoint, shard, materialize and initialize ``module`` in place, on every rank.
 
-    ``mesh``: ``layout``'s device mesh. ``pretrained``: the deferred ``load_pretrained``/``load_adapter`` calls to run
+    ``mesh``: ``layout``'s device mesh; with ``device_mesh="auto"``, ``layout`` is the :class:`AutoLayout` request and
+    ``mesh`` ``None``: the layout is chosen from the model's memory (the returned ``Parallelized`` says which).
+    ``pretrained``: the deferred ``load_pretrained``/``load_adapter`` calls to run
     once the shards exist (planned before this call, so that a checkpoint that does not fit fails before anything is
     allocated). ``training``: the model will be trained (peft methods that cannot be trained sharded are refused).
     ``module_is_root``: the front-end calls ``module`` itself (Fabric), so it is the FSDP root; otherwise its children
     are (the Trainer's ``LightningModule``, whose steps call ``self.model``; see :func:`wrap.shard_model`).
     """
     check_can_parallelize(module, training)
+    module = precision.convert_module(module)
+    choice = None
+    if isinstance(layout, AutoLayout):
+        choice = apply_auto_layout(module, layout, options, precision, pretrained, module_is_root)
+        layout, mesh = choice.layout, choice.layout.build_mesh(device.type)
+        options = replace(options, shard=replace(options.shard,
+                                                 reshard_after_forward=choice.chosen.reshard_after_forward))
+    assert mesh is not None
     tensor_mesh = layout.tensor_mesh(mesh)
     check_tensor_parallel_loads(pretrained, tensor_mesh)
-    module = precision.convert_module(module)
     broadcast_real_tensors(module, device)
     apply_tensor_parallel(module, tensor_mesh, options.tensor_parallel.plan)
     blocks = innermost(block_names(module, options.shard.auto_wrap_policy))
@@ -124,7 +145,8 @@ def parallelize(
     apply_root_hooks(module, options)
     initialized = apply_values(module, options, pretrained, device, tensor_mesh)
     install_load_hooks(module)  # module.load_state_dict of whole tensors from here on (code written for one device)
-    return Parallelized(initialized=frozenset(initialized), quantized=frozenset(quantized))
+    return Parallelized(initialized=frozenset(initialized), quantized=frozenset(quantized), layout=layout, mesh=mesh,
+                        layout_choice=choice)
 
 
 def check_can_parallelize(module: nn.Module, training: bool) -> None:
@@ -137,6 +159,26 @@ def check_can_parallelize(module: nn.Module, training: bool) -> None:
     if training:
         check_trainable(module)
     check_peft_supported(module, training=training)
+
+
+def apply_auto_layout(
+    module: nn.Module,
+    request: AutoLayout,
+    options: StrategyOptions,
+    precision: ModulePrecision,
+    pretrained: PlannedLoads,
+    module_is_root: bool,
+) -> LayoutChoice:
+    """``device_mesh="auto"``: choose the layout and ``reshard_after_forward`` from what ``module`` (on ``meta``, in
+    its storage dtype) will hold per rank, as ``fully_shard`` will group it, against the agreed budget
+    (``auto_layout.py``)."""
+    ac = options.checkpointing
+    mp_policy = options.shard.mixed_precision or precision.mixed_precision_policy
+    return choose_layout(
+        module, request, auto_wrap_policy=options.shard.auto_wrap_policy, gathered_dtype=mp_policy.param_dtype,
+        checkpointing=(ac.policy, ac.every) if ac.policy is not None else None, nf4=pretrained.nf4_names,
+        module_is_root=module_is_root,
+    )
 
 
 def apply_checkpointing_and_compile(module: nn.Module, blocks: list[str], options: StrategyOptions) -> None:

@@ -103,7 +103,17 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
             per node (or be a multiple of them). ``(replicate, shard, tensor)``: tensor parallelism over groups of
             ``tensor`` adjacent ranks as well. A ready ``DeviceMesh`` (1-D, 2-D as ``(replicate, shard)`` or 3-D as
             ``(replicate, shard, tensor)``, over every rank in order, as ``init_device_mesh`` makes it) is used as
-            it is; it needs a process group started by the launcher.
+            it is; it needs a process group started by the launcher. ``"auto"``: chosen once the model exists on
+            ``meta``, before anything is allocated, from the memory each rank would need (parameters, gradients,
+            Adam's state, gathered parameters, activations) against ``memory_budget``: the fastest that fits, from a
+            shard group of one rank (every rank a whole replica, DDP's traffic) through HSDP to full sharding, and
+            ``reshard_after_forward`` with it; printed on rank 0 and kept in ``strategy.layout_choice``.
+        memory_budget: with ``device_mesh="auto"``, the bytes each rank may use (an int, or ``"20GiB"``/``"80GB"``);
+            default: the device's free memory (on CPU, the available memory divided among the node's processes), the
+            smallest over the ranks.
+        batch_shape: with ``device_mesh="auto"``, ``(sequences, tokens)`` of one rank's micro-batch: the activations
+            are estimated from one forward of the model on ``meta`` (Hugging Face causal LMs). Without it, a quarter of
+            the budget is held back for them.
         tensor_parallel_size: split the layers of the tensor-parallel plan over groups of this many adjacent ranks
             (inside a node; it must divide the devices per node), and shard with FSDP2 over the rest (1, default: no
             tensor parallelism). The ranks of a group compute one batch together: ``distributed_sampler_kwargs``
@@ -145,7 +155,9 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         mixed_precision: MixedPrecisionPolicy | None = None,
         reshard_after_forward: bool | int = True,
         cpu_offload: bool | CPUOffloadPolicy = False,
-        device_mesh: tuple[int, int] | tuple[int, int, int] | DeviceMesh | None = None,
+        device_mesh: tuple[int, int] | tuple[int, int, int] | DeviceMesh | Literal["auto"] | None = None,
+        memory_budget: int | str | None = None,
+        batch_shape: tuple[int, int] | None = None,
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: TensorParallelPlan = None,
         activation_checkpointing_every: int = 1,
@@ -281,6 +293,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         training = trainer is not None and trainer.state.fn == TrainerFn.FITTING
         self._parallelized = self._parallelize(module, self.precision_plugin, training=training)
         self._parallelized_module = weakref.ref(module)
+        module._device_mesh = self._device_mesh  # device_mesh="auto" built it just now
         return module
 
     def model_to_device(self) -> None:

@@ -301,6 +301,11 @@ class PlannedLoads:
         return {f"{load.prefix}.{n}" if load.prefix else n for load in self.loads for n in load.plan.copies}
 
     @property
+    def nf4_names(self) -> set[str]:
+        """Names (relative to the model) of the weights to be stored in NF4."""
+        return {f"{load.prefix}.{n}" if load.prefix else n for load in self.loads for n in load.nf4}
+
+    @property
     def quantizes(self) -> bool:
         """Some weights are to be stored in NF4 (``load_pretrained(..., quantize="nf4")``)."""
         return any(load.nf4 for load in self.loads)

@@ -1,0 +1,250 @@
+"""``FSDP2Strategy(device_mesh="auto")`` at world size 2: its estimate against the measured peak, and its speed against
+DDP and today's default (full sharding) on a device of a given size.
+
+``--estimate``: the Llama sizes of ``load_pretrained.py`` (small 58M, medium 194M, large 551M), LoRA r=8 on q/k/v/o,
+AdamW, 2 x 256 tokens per rank, fp32, in two layouts forced with ``device_mesh``: whole replicas ``(2, 1)`` and full
+sharding ``(1, 2)``. Per rank: the peak resident set size (``VmHWM``) above what the process held when ``fit`` started,
+against the strategy's estimate for that layout (``estimate_layouts`` with the same batch shape).
+
+Default (``--contest``): three contenders, ``auto``, ``ddp`` (Lightning's ``DDPStrategy``) and ``fsdp2``
+(``FSDP2Strategy()``: full sharding), on an emulated device: a process whose resident set grows past what it held
+when ``fit`` started plus the device size is killed (exit code 137, as by the kernel's OOM killer; checked every
+millisecond), and ``"auto"`` is given the same figure as ``memory_budget``. Three cases (``--cases SIZE:GIB:SEQUENCESxTOKENS``): the
+small model where everything fits; a deep one (48 layers, 672M) on a device where DDP fits but "auto"'s estimate of a
+whole replica does not (in between); the same on a device where DDP does not fit but a sharded layout does (a small
+batch, so that the parameters are most of the memory). A contender that runs
+out of memory is recorded as such.
+
+    python benchmarks/auto_layout.py --estimate
+    python benchmarks/auto_layout.py --contest --repeats 2
+
+Writes ``benchmarks/results/auto-estimate.{md,json}`` (``auto-estimate-trim`` when run with glibc giving freed memory
+back: ``MALLOC_TRIM_THRESHOLD_=0 MALLOC_MMAP_THRESHOLD_=65536``) and ``auto-layout.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import lightning as L  # noqa: E402
+import torch  # noqa: E402
+from load_pretrained import SIZES, _status_kb  # noqa: E402
+from throughput import LoRALlama  # noqa: E402
+from torch.utils.data import DataLoader  # noqa: E402
+
+from tests.helpers import run_distributed  # noqa: E402
+
+SEQ, BATCH, WARMUP, TIMED = 256, 2, 1, 4
+SIZES = {**SIZES,  # a deep one: the decoder layers are most of the parameters (sharding saves more than it costs)
+         "deep": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=48,
+                      num_attention_heads=16)}
+
+
+class Lora(LoRALlama):
+    """``throughput.py``'s module (its steps, timing and AdamW), with the model of ``size`` and a batch of
+    ``(sequences, tokens)`` per rank."""
+
+    def __init__(self, size: str, batch: tuple[int, int] = (BATCH, SEQ)) -> None:
+        super().__init__(batch=batch[0])
+        self.size, self.batch = size, batch
+
+    def configure_model(self) -> None:
+        if self.model is None:
+            self.model = build(self.size)
+
+    def train_dataloader(self) -> DataLoader:
+        sequences, tokens = self.batch
+        n = (WARMUP + TIMED) * sequences * max(self.trainer.world_size, 1)
+        data = torch.randint(0, 32000, (n, tokens), generator=torch.Generator().manual_seed(0))
+        return DataLoader(data, batch_size=sequences)
+
+
+def build(size: str) -> torch.nn.Module:
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    config = LlamaConfig(num_key_value_heads=None, max_position_embeddings=512, tie_word_embeddings=False,
+                         **SIZES[size])
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(config)
+    return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
+
+
+def estimated(size: str, budget: int | None = None):
+    from lightning_fsdp2 import estimate_layouts
+
+    module = Lora(size)
+    with torch.device("meta"):
+        module.configure_model()
+    return estimate_layouts(module, 2, batch_shape=(BATCH, SEQ), memory_budget=budget, device_type="cpu")
+
+
+def _strategy(name: str, budget: int | None, batch: tuple[int, int]):
+    from lightning_fsdp2 import FSDP2Strategy
+
+    if name == "auto":
+        return FSDP2Strategy(device_mesh="auto", memory_budget=budget, batch_shape=batch)
+    if name == "ddp":
+        from lightning.pytorch.strategies import DDPStrategy
+
+        return DDPStrategy()
+    if name.startswith("mesh"):  # "mesh2x1"
+        replicate, shard = (int(n) for n in name[4:].split("x"))
+        return FSDP2Strategy(device_mesh=(replicate, shard) if replicate > 1 else None)
+    return FSDP2Strategy()
+
+
+def _train(size: str, name: str, device_gib: float | None, batch: tuple[int, int] = (BATCH, SEQ)) -> dict:
+    torch.set_num_threads(1)
+    budget = int(device_gib * 2**30) if device_gib else None
+    start_kb = _status_kb("VmRSS")
+    if budget is not None:  # the emulated device: a process whose resident set grows past `budget` is killed
+        _watch(start_kb * 1024 + budget)
+    Path("/proc/self/clear_refs").write_text("5")
+    module = Lora(size, batch)
+    strategy = _strategy(name, budget, batch)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="32-true",
+                        max_steps=WARMUP + TIMED, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(module)
+    timed = module.times[WARMUP:]
+    choice = getattr(strategy, "layout_choice", None)
+    return {"tokens_per_s": TIMED * batch[0] * batch[1] * 2 / (timed[-1] - timed[0]),
+            "peak_mb": (_status_kb("VmHWM") - start_kb) / 1024,
+            "chosen": list(choice.chosen.mesh) + [choice.chosen.reshard_after_forward] if choice else None}
+
+
+def _watch(limit: int) -> None:
+    """Kill this process, as the kernel's OOM killer would (exit code 137), once its resident set passes ``limit``
+    bytes (checked every millisecond from a thread)."""
+    import os
+    import threading
+
+    def watch() -> None:
+        while _status_kb("VmRSS") * 1024 <= limit:
+            time.sleep(0.001)
+        os._exit(137)
+
+    threading.Thread(target=watch, daemon=True).start()
+
+
+def run_estimate(args: argparse.Namespace, out: Path) -> None:
+    rows = {}
+    for size in args.sizes:
+        report = estimated(size)
+        by_layout = {(e.mesh, e.reshard_after_forward): e for e in report.candidates}
+        for mesh in ((2, 1), (1, 2)):
+            name = f"mesh{mesh[0]}x{mesh[1]}"
+            result = run_distributed(_train, 2, size, name, None, timeout=3600)
+            measured = max(r["peak_mb"] for r in result)
+            e = by_layout[(mesh, True)]
+            guess, tensors = e.total / 2**20, (e.total - e.allocator) / 2**20
+            rows[f"{size} {mesh}"] = {"estimated_mb": guess, "tensors_mb": tensors, "measured_mb": measured,
+                                      "ratio": guess / measured, "tensors_ratio": tensors / measured,
+                                      "components_mb": {k: getattr(e, k) / 2**20 for k in
+                                                        ("parameters", "gradients", "optimizer", "gathered",
+                                                         "activations", "allocator")}}
+            print(size, mesh, f"estimated {guess:.0f} MB ({tensors:.0f} in tensors), measured {measured:.0f} MB",
+                  flush=True)
+    trim = os.environ.get("MALLOC_TRIM_THRESHOLD_") == "0"
+    lines = ["`device_mesh=\"auto\"`'s estimate against the measured per-rank peak, world size 2, LoRA r=8 on q/k/v/o,"
+             f" AdamW, {BATCH} x {SEQ} tokens per rank, fp32, CPU (peak RSS above the start of `fit`"
+             + (", glibc giving freed memory back at once: `MALLOC_TRIM_THRESHOLD_=0 MALLOC_MMAP_THRESHOLD_=65536`"
+                if trim else ", glibc's defaults") + "). \"tensors\": the estimate without the allocator's share.", "",
+             "| model, layout | estimated (MB) | measured (MB) | estimated / measured | tensors (MB) | tensors /"
+             " measured | parameters / gathered / activations / allocator (MB) |", "|---|---:|---:|---:|---:|---:|---|"]
+    for key, row in rows.items():
+        c = row["components_mb"]
+        lines.append(f"| {key} | {row['estimated_mb']:.0f} | {row['measured_mb']:.0f} | {row['ratio']:.2f} |"
+                     f" {row['tensors_mb']:.0f} | {row['tensors_ratio']:.2f} | {c['parameters']:.0f} /"
+                     f" {c['gathered']:.0f} / {c['activations']:.0f} / {c['allocator']:.0f} |")
+    command = f"python benchmarks/auto_layout.py --estimate --sizes {' '.join(args.sizes)}"
+    if trim:
+        command = "MALLOC_TRIM_THRESHOLD_=0 MALLOC_MMAP_THRESHOLD_=65536 " + command
+    _write(out / ("auto-estimate-trim" if trim else "auto-estimate"), rows, lines, command)
+
+
+def _contest_run(size: str, name: str, gib: float, batch: tuple[int, int]) -> dict:
+    try:
+        return run_distributed(_train, 2, size, name, gib, batch, timeout=3600)[0]
+    except RuntimeError as err:  # a rank past the emulated device's memory
+        if "exited with 137" in str(err):
+            return {"out_of_memory": True}
+        raise
+
+
+def run_contest(args: argparse.Namespace, out: Path) -> None:
+    """Each case ``size:GiB:SEQUENCESxTOKENS``: the model, the emulated device per rank, the per-rank batch."""
+    rows: dict[str, dict] = {}
+    cases = []
+    for case in args.cases:
+        size, gib, batch = case.split(":")
+        cases.append((size, float(gib), tuple(int(n) for n in batch.split("x"))))
+    for size, gib, batch in cases:
+        for repeat in range(args.repeats):
+            for name in ("auto", "ddp", "fsdp2") if repeat % 2 == 0 else ("fsdp2", "ddp", "auto"):
+                result = _contest_run(size, name, gib, batch)
+                rows.setdefault(f"{size} {gib} {name}", {"runs": []})["runs"].append(result)
+                print(size, gib, name, result, flush=True)
+    lines = ["`device_mesh=\"auto\"` against DDP and full sharding (`FSDP2Strategy()`), world size 2, Llama + LoRA r=8"
+             f" on q/k/v/o, AdamW, fp32, CPU, 1 thread per process, median of {args.repeats}. The device is emulated:"
+             " a process whose resident set grows past what it held when `fit` started plus the device size is killed"
+             " (as by the OOM killer), and \"auto\" is given the device size as memory_budget.", "",
+             "| model, batch per rank | device per rank | auto chose | auto tokens/s | DDP tokens/s | full sharding"
+             " tokens/s | auto / DDP | auto / full sharding |", "|---|---|---|---:|---:|---:|---:|---:|"]
+    for size, gib, batch in cases:
+        def tps(name: str) -> float | None:
+            runs = rows[f"{size} {gib} {name}"]["runs"]
+            return None if any(r.get("out_of_memory") for r in runs) else statistics.median(
+                r["tokens_per_s"] for r in runs)
+        auto, ddp, full = tps("auto"), tps("ddp"), tps("fsdp2")
+        chosen = rows[f"{size} {gib} auto"]["runs"][0].get("chosen")
+        shown = lambda v: "out of memory" if v is None else f"{v:.0f}"  # noqa: E731
+        ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
+        said = f"({chosen[0]}, {chosen[1]}), reshard {chosen[2]}" if chosen else "-"
+        lines.append(f"| {size} ({SIZES_SAID[size]}), {batch[0]} x {batch[1]} | {gib} GiB | {said} | {shown(auto)} |"
+                     f" {shown(ddp)} | {shown(full)} | {ratio(auto, ddp)} | {ratio(auto, full)} |")
+    command = f"python benchmarks/auto_layout.py --contest --cases {' '.join(args.cases)} --repeats {args.repeats}"
+    _write(out / "auto-layout", rows, lines, command)
+
+
+SIZES_SAID = {"small": "58M", "medium": "194M", "large": "551M", "deep": "672M, 48 layers"}
+
+
+def _write(stem: Path, rows: dict, lines: list[str], command: str) -> None:
+    lines += ["", f"Command: `{command}`"]
+    stem.with_suffix(".json").write_text(json.dumps({"rows": rows, "command": command}, indent=2, default=str) + "\n")
+    stem.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--estimate", action="store_true", help="the estimate against the measured peak")
+    parser.add_argument("--contest", action="store_true", help="auto against DDP and full sharding (default)")
+    parser.add_argument("--sizes", nargs="*", default=["small", "medium", "large"])
+    parser.add_argument("--cases", nargs="*", default=["small:4:2x256", "deep:3.6:1x64", "deep:2.4:1x64"],
+                        help="--contest's cases, SIZE:GIB:SEQUENCESxTOKENS (model, device per rank, batch per rank)")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if args.estimate:
+        run_estimate(args, out)
+    else:
+        run_contest(args, out)
+
+
+if __name__ == "__main__":
+    main()
