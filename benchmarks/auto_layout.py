@@ -1,19 +1,21 @@
 """``FSDP2Strategy(device_mesh="auto")`` at world size 2: its estimate against the measured peak, and its speed against
 DDP and today's default (full sharding) on a device of a given size.
 
-``--estimate``: the Llama sizes of ``load_pretrained.py`` (small 58M, medium 194M, large 551M), LoRA r=8 on q/k/v/o,
-AdamW, 2 x 256 tokens per rank, fp32, in two layouts forced with ``device_mesh``: whole replicas ``(2, 1)`` and full
-sharding ``(1, 2)``. Per rank: the peak resident set size (``VmHWM``) above what the process held when ``fit`` started,
-against the strategy's estimate for that layout (``estimate_layouts`` with the same batch shape).
+``--estimate``: the Llama sizes of ``load_pretrained.py`` (small 58M, medium 194M, large 551M; 2 x 256 tokens per
+rank) and a deep one (672M in 48 layers; 1 x 64 tokens per rank), LoRA r=8 on q/k/v/o, AdamW, fp32, in two layouts:
+whole replicas ``(2, 1)`` as ``"auto"`` makes them (the frozen base plain tensors, the adapters FSDP2's; chosen with a
+budget of 1000 GiB) and full sharding ``(1, 2)`` (``FSDP2Strategy()``). Per rank: the peak resident set size
+(``VmHWM``) above what the process held when ``fit`` started, against the strategy's estimate for that layout
+(``estimate_layouts`` with the same batch shape).
 
 Default (``--contest``): three contenders, ``auto``, ``ddp`` (Lightning's ``DDPStrategy``) and ``fsdp2``
 (``FSDP2Strategy()``: full sharding), on an emulated device: a process whose resident set grows past what it held
 when ``fit`` started plus the device size is killed (exit code 137, as by the kernel's OOM killer; checked every
-millisecond), and ``"auto"`` is given the same figure as ``memory_budget``. Three cases (``--cases SIZE:GIB:SEQUENCESxTOKENS``): the
-small model where everything fits; a deep one (48 layers, 672M) on a device where DDP fits but "auto"'s estimate of a
-whole replica does not (in between); the same on a device where DDP does not fit but a sharded layout does (a small
-batch, so that the parameters are most of the memory). A contender that runs
-out of memory is recorded as such.
+millisecond), and ``"auto"`` is given the same figure as ``memory_budget``. Three cases
+(``--cases SIZE:GIB:SEQUENCESxTOKENS``): the small model where everything fits; a deep one (48 layers, 672M, a small batch so that the
+parameters are most of the memory) on a device with little room above a whole replica (in between); the same on a
+device a whole replica does not fit (DDP is killed; whether a sharded layout fits is what "auto" decides). A contender
+that runs out of memory is recorded as such.
 
     python benchmarks/auto_layout.py --estimate
     python benchmarks/auto_layout.py --contest --repeats 2
@@ -80,13 +82,13 @@ def build(size: str) -> torch.nn.Module:
     return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
 
 
-def estimated(size: str, budget: int | None = None):
+def estimated(size: str, batch: tuple[int, int] = (BATCH, SEQ)):
     from lightning_fsdp2 import estimate_layouts
 
-    module = Lora(size)
+    module = Lora(size, batch)
     with torch.device("meta"):
         module.configure_model()
-    return estimate_layouts(module, 2, batch_shape=(BATCH, SEQ), memory_budget=budget, device_type="cpu")
+    return estimate_layouts(module, 2, batch_shape=batch, device_type="cpu")
 
 
 def _strategy(name: str, budget: int | None, batch: tuple[int, int]):
@@ -98,6 +100,8 @@ def _strategy(name: str, budget: int | None, batch: tuple[int, int]):
         from lightning.pytorch.strategies import DDPStrategy
 
         return DDPStrategy()
+    if name == "replicas":  # "auto" with room for whole replicas: the frozen base plain, the adapters FSDP2's
+        return FSDP2Strategy(device_mesh="auto", memory_budget="1000GiB", batch_shape=batch)
     if name.startswith("mesh"):  # "mesh2x1"
         replicate, shard = (int(n) for n in name[4:].split("x"))
         return FSDP2Strategy(device_mesh=(replicate, shard) if replicate > 1 else None)
@@ -121,7 +125,8 @@ def _train(size: str, name: str, device_gib: float | None, batch: tuple[int, int
     choice = getattr(strategy, "layout_choice", None)
     return {"tokens_per_s": TIMED * batch[0] * batch[1] * 2 / (timed[-1] - timed[0]),
             "peak_mb": (_status_kb("VmHWM") - start_kb) / 1024,
-            "chosen": list(choice.chosen.mesh) + [choice.chosen.reshard_after_forward] if choice else None}
+            "chosen": (list(choice.chosen.mesh) + [choice.chosen.reshard_after_forward, choice.chosen.frozen_plain]
+                       if choice else None)}
 
 
 def _watch(limit: int) -> None:
@@ -140,16 +145,18 @@ def _watch(limit: int) -> None:
 
 def run_estimate(args: argparse.Namespace, out: Path) -> None:
     rows = {}
-    for size in args.sizes:
-        report = estimated(size)
+    for case in args.sizes:  # SIZE, or SIZE:SEQUENCESxTOKENS
+        size, _, shape = case.partition(":")
+        batch = tuple(int(n) for n in shape.split("x")) if shape else (BATCH, SEQ)
+        report = estimated(size, batch)
         by_layout = {(e.mesh, e.reshard_after_forward): e for e in report.candidates}
         for mesh in ((2, 1), (1, 2)):
-            name = f"mesh{mesh[0]}x{mesh[1]}"
-            result = run_distributed(_train, 2, size, name, None, timeout=3600)
+            name = "replicas" if mesh == (2, 1) else "mesh1x2"
+            result = run_distributed(_train, 2, size, name, None, batch, timeout=3600)
             measured = max(r["peak_mb"] for r in result)
             e = by_layout[(mesh, True)]
             guess, tensors = e.total / 2**20, (e.total - e.allocator) / 2**20
-            rows[f"{size} {mesh}"] = {"estimated_mb": guess, "tensors_mb": tensors, "measured_mb": measured,
+            rows[f"{size} {mesh}" + (f", {batch[0]} x {batch[1]} tokens" if shape else "")] = {"estimated_mb": guess, "tensors_mb": tensors, "measured_mb": measured,
                                       "ratio": guess / measured, "tensors_ratio": tensors / measured,
                                       "components_mb": {k: getattr(e, k) / 2**20 for k in
                                                         ("parameters", "gradients", "optimizer", "gathered",
@@ -180,6 +187,8 @@ def _contest_run(size: str, name: str, gib: float, batch: tuple[int, int]) -> di
     except RuntimeError as err:  # a rank past the emulated device's memory
         if "exited with 137" in str(err):
             return {"out_of_memory": True}
+        if "no layout fits the budget" in str(err):  # "auto" refused before allocating anything
+            return {"refused": True}
         raise
 
 
@@ -205,13 +214,16 @@ def run_contest(args: argparse.Namespace, out: Path) -> None:
     for size, gib, batch in cases:
         def tps(name: str) -> float | None:
             runs = rows[f"{size} {gib} {name}"]["runs"]
+            if any(r.get("refused") for r in runs):
+                return "refused"
             return None if any(r.get("out_of_memory") for r in runs) else statistics.median(
                 r["tokens_per_s"] for r in runs)
         auto, ddp, full = tps("auto"), tps("ddp"), tps("fsdp2")
         chosen = rows[f"{size} {gib} auto"]["runs"][0].get("chosen")
-        shown = lambda v: "out of memory" if v is None else f"{v:.0f}"  # noqa: E731
-        ratio = lambda a, b: f"{a / b:.2f}x" if a and b else "-"  # noqa: E731
-        said = f"({chosen[0]}, {chosen[1]}), reshard {chosen[2]}" if chosen else "-"
+        shown = lambda v: "out of memory" if v is None else v if isinstance(v, str) else f"{v:.0f}"  # noqa: E731
+        ratio = lambda a, b: f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) else "-"  # noqa: E731
+        said = (f"({chosen[0]}, {chosen[1]}){', frozen plain' if chosen[3] else ''}, reshard {chosen[2]}" if chosen
+                else "-")
         lines.append(f"| {size} ({SIZES_SAID[size]}), {batch[0]} x {batch[1]} | {gib} GiB | {said} | {shown(auto)} |"
                      f" {shown(ddp)} | {shown(full)} | {ratio(auto, ddp)} | {ratio(auto, full)} |")
     command = f"python benchmarks/auto_layout.py --contest --cases {' '.join(args.cases)} --repeats {args.repeats}"
@@ -232,8 +244,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--estimate", action="store_true", help="the estimate against the measured peak")
     parser.add_argument("--contest", action="store_true", help="auto against DDP and full sharding (default)")
-    parser.add_argument("--sizes", nargs="*", default=["small", "medium", "large"])
-    parser.add_argument("--cases", nargs="*", default=["small:4:2x256", "deep:3.6:1x64", "deep:2.4:1x64"],
+    parser.add_argument("--sizes", nargs="*", default=["small", "medium", "large", "deep:1x64"],
+                        help="--estimate's models: SIZE, or SIZE:SEQUENCESxTOKENS for another batch per rank")
+    parser.add_argument("--cases", nargs="*", default=["small:4:2x256", "deep:3.6:1x64", "deep:2.9:1x64"],
                         help="--contest's cases, SIZE:GIB:SEQUENCESxTOKENS (model, device per rank, batch per rank)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))

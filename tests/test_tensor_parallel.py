@@ -680,6 +680,20 @@ def test_a_tp2_fsdp2_checkpoint_resumes_exactly_at_every_layout(fmt: str, pretra
         assert_same_run(resumed, straight, f"{fmt} TP x FSDP checkpoint resumed at world size {world} with {strategy}")
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+def test_an_hsdp_x_tp_checkpoint_resumes_exactly_at_other_layouts(fmt: str, pretrained, straight: dict,
+                                                                 tmp_path) -> None:
+    """Saved by HSDP x TP (2, 1, 2: two replicas of one tensor group each) after one epoch; resumed by TP 2 x FSDP 2,
+    FSDP over 4 and one process: each equal to two epochs straight (the other direction is the test above)."""
+    path = tmp_path / f"{fmt}.ckpt"
+    run_distributed(fit_resumable, 4, str(pretrained), 1, str(path), None,
+                    {"state_dict_type": fmt, "device_mesh": (2, 1, 2)})
+    for world, strategy in ((4, {"tensor_parallel_size": 2}), (4, {}), (1, {})):
+        resumed = run_distributed(fit_resumable, world, str(pretrained), 2, None, str(path), strategy)[0]
+        assert_same_run(resumed, straight, f"{fmt} HSDP x TP checkpoint resumed at world size {world} with {strategy}")
+
+
 # =========================================================================== adapters out, generate
 def _exports(base: str, adapter: str, out: str, strategy: dict) -> dict:
     from lightning_fsdp2.lora import save_adapter, save_merged

@@ -48,8 +48,8 @@ ALLOCATOR_SHARE = {"cpu": 1.0, "cuda": 0.1}
 that is allocated and freed every step). On CPU glibc keeps freed memory for reuse and the resident set counts it:
 measured 0.6-1.2 of it at 58M-551M parameters (``benchmarks/auto_layout.py --estimate``; with glibc giving freed
 memory back, ``MALLOC_TRIM_THRESHOLD_=0 MALLOC_MMAP_THRESHOLD_=65536``, the estimate without it is within 8% of the
-resident set). On CUDA the caching allocator reuses its blocks; 0.1 for fragmentation is not measured yet
-(``benchmarks/gpu.py``)."""
+resident set). On CPU, blocks freed after forward cost more (:func:`estimate`). On CUDA the caching allocator reuses
+its blocks; 0.1 for fragmentation is not measured yet (``benchmarks/gpu.py``)."""
 
 FITS_IN = 0.9
 """A layout fits when its estimate is at most this share of the budget: the headroom the measured errors need
@@ -84,8 +84,8 @@ class GroupSize:
     tensors: tuple[TensorSize, ...]
     root: bool
 
-    def gathered_bytes(self) -> int:
-        return int(sum(t.numel * t.gathered for t in self.tensors))
+    def gathered_bytes(self, trainable_only: bool = False) -> int:
+        return int(sum(t.numel * t.gathered for t in self.tensors if t.trainable or not trainable_only))
 
     def gradient_bytes(self) -> int:
         """The unsharded gradients of the group in backward, before the reduce-scatter."""
@@ -123,6 +123,7 @@ class Estimate:
     gathered: int  # gathered parameters and unsharded gradients at the step's peak
     activations: int  # saved for backward (estimated), or the margin
     allocator: int = 0  # what the allocator holds beyond live tensors (ALLOCATOR_SHARE)
+    frozen_plain: bool = False  # whole replicas whose frozen parameters FSDP2 leaves alone (plain tensors)
 
     @property
     def total(self) -> int:
@@ -138,8 +139,8 @@ class Estimate:
         return (self.replicate, self.shard)
 
     def describe(self) -> str:
-        kind = ("replicated (DDP-like)" if self.shard == 1 else
-                "fully sharded" if self.replicate == 1 else "HSDP")
+        kind = ("replicated, frozen parameters plain (DDP-like)" if self.frozen_plain else
+                "replicated (DDP-like)" if self.shard == 1 else "fully sharded" if self.replicate == 1 else "HSDP")
         return (f"device_mesh=({self.replicate}, {self.shard}) [{kind}],"
                 f" reshard_after_forward={self.reshard_after_forward}")
 
@@ -369,8 +370,10 @@ def estimate(
     optimizer_states: int = ADAM_STATES,
     budget: int | None = None,
     device_type: str = "cuda",
+    frozen_plain: bool = False,
 ) -> Estimate:
-    """Per-rank bytes of ``model`` sharded over ``shard`` ranks and replicated ``replicate`` times:
+    """Per-rank bytes of ``model`` sharded over ``shard`` ranks and replicated ``replicate`` times (``frozen_plain``:
+    whole replicas whose frozen parameters FSDP2 does not manage, so that only the trained ones are gathered):
 
     * parameters: each rank's rows of every parameter (``ceil(rows / shard)``), at rest in the storage dtype;
     * gradients and optimizer state: the same for the trainable ones (gradients in the storage dtype, the optimizer's
@@ -381,11 +384,15 @@ def estimate(
       shard into the gathered buffer), so it is counted alike;
     * activations: ``model.activations``, or :data:`ACTIVATION_MARGIN` of ``budget`` when unknown (0 without one);
     * allocator: :data:`ALLOCATOR_SHARE` of ``device_type`` times what is allocated and freed every step (all but the
-      parameters at rest and a margin held back)."""
+      parameters at rest and a margin held back); on CPU, with blocks freed after forward, at least every block's
+      gathered bytes: FSDP2 gathers into one buffer per parameter, glibc keeps those it frees after each block's
+      forward in its heap, and the activations allocated in between keep it from reusing them whole, so the heap grows
+      by about a block per block (measured on a 48-layer model: 2.0 GB per rank with glibc giving freed memory back,
+      4.3 GB without)."""
     params = sum(int(t.sharded_numel(shard) * t.stored) for g in model.groups for t in g.tensors)
     grads = sum(int(t.sharded_numel(shard) * t.stored) for g in model.groups for t in g.tensors if t.trainable)
-    blocks = [g.gathered_bytes() for g in model.groups if not g.root]
-    roots = sum(g.gathered_bytes() for g in model.groups if g.root)
+    blocks = [g.gathered_bytes(frozen_plain) for g in model.groups if not g.root]
+    roots = sum(g.gathered_bytes(frozen_plain) for g in model.groups if g.root)
     held = sum(sorted(blocks, reverse=True)[:2]) if reshard_after_forward else sum(blocks)
     unsharded_grads = max((g.gradient_bytes() for g in model.groups), default=0)
     activations = model.activations
@@ -394,8 +401,10 @@ def estimate(
     known = activations if model.activations is not None else 0
     moving = grads + optimizer_states * grads + roots + held + unsharded_grads + known
     allocator = int(ALLOCATOR_SHARE.get(device_type, ALLOCATOR_SHARE["cuda"]) * moving)
+    if device_type == "cpu" and reshard_after_forward:
+        allocator = max(allocator, sum(blocks))
     return Estimate(replicate, shard, reshard_after_forward, params, grads, optimizer_states * grads,
-                    roots + held + unsharded_grads, activations, allocator)
+                    roots + held + unsharded_grads, activations, allocator, frozen_plain)
 
 
 # ------------------------------------------------------------------------------------------------ 3. the choice
@@ -422,12 +431,14 @@ def choose(
     *,
     optimizer_states: int = ADAM_STATES,
     device_type: str = "cuda",
+    frozen_plain: bool = False,
 ) -> LayoutChoice:
     """The first of :func:`candidates` whose :func:`estimate` fits ``budget`` (bytes per rank, :meth:`Estimate.fits`);
-    a ``ValueError`` saying what to change when none does. Pure: every rank, given the same budget, chooses the
+    a ``ValueError`` saying what to change when none does. ``frozen_plain``: whole replicas may leave the frozen
+    parameters to plain tensors (see :func:`choose_layout`). Pure: every rank, given the same budget, chooses the
     same."""
     estimates = tuple(estimate(model, r, s, k, optimizer_states=optimizer_states, budget=budget,
-                               device_type=device_type)
+                               device_type=device_type, frozen_plain=frozen_plain and s == 1)
                       for r, s, k in candidates(world_size, devices_per_node))
     chosen = next((e for e in estimates if e.fits(budget)), None)
     note = model.activations_note
@@ -469,17 +480,21 @@ def choose_layout(
     checkpointing: tuple[ModulePolicy, int] | None,
     nf4: Iterable[str] = (),
     module_is_root: bool = False,
+    frozen_plain: bool = False,
 ) -> LayoutChoice:
     """``parallel.parallelize``'s step for ``device_mesh="auto"``: measure ``module`` (on ``meta``, converted to its
     storage dtype) as ``fully_shard`` will group it (``auto_wrap_policy``'s blocks, then the roots), and choose.
-    ``checkpointing``: the activation-checkpointing policy and its ``every``, if any."""
+    ``checkpointing``: the activation-checkpointing policy and its ``every``, if any. ``frozen_plain``: in whole
+    replicas, the frozen parameters may be left out of ``fully_shard`` (plain tensors, each rank a copy, as DDP holds
+    them): FSDP2 would otherwise copy them into gathered buffers and back every step, for nothing (the caller allows
+    it where nothing needs FSDP2 to manage them: no mixed-precision cast, no NF4)."""
     blocks = block_names(module, auto_wrap_policy)
     roots = [""] if module_is_root else root_names(module)
     checkpointed = checkpointed_names(module, *checkpointing) if checkpointing is not None else []
     size = measure_model(module, blocks, roots, gathered_dtype=gathered_dtype, nf4=nf4,
                          batch_shape=request.batch_shape, checkpointed=checkpointed)
     return choose(size, request.world_size, request.devices_per_node, request.budget,
-                  device_type=request.device_type)
+                  device_type=request.device_type, frozen_plain=frozen_plain)
 
 
 def estimate_layouts(
@@ -517,9 +532,12 @@ def estimate_layouts(
     size = measure_model(model, blocks, root_names(model), gathered_dtype=plugin.mixed_precision_policy.param_dtype,
                          batch_shape=batch_shape, checkpointed=checkpointed)
     devices = devices_per_node or world_size
+    plain = plugin.mixed_precision_policy.param_dtype is None
     if budget is not None:
-        return choose(size, world_size, devices, budget, optimizer_states=optimizer_states, device_type=device_type)
-    estimates = tuple(estimate(size, r, s, k, optimizer_states=optimizer_states, device_type=device_type)
+        return choose(size, world_size, devices, budget, optimizer_states=optimizer_states, device_type=device_type,
+                      frozen_plain=plain)
+    estimates = tuple(estimate(size, r, s, k, optimizer_states=optimizer_states, device_type=device_type,
+                               frozen_plain=plain and s == 1)
                       for r, s, k in candidates(world_size, devices))
     return LayoutChoice(estimates, None, None, size.activations_note if size.activations is not None
                         else "not estimated (no batch_shape), not included")

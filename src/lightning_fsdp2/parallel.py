@@ -138,8 +138,9 @@ def parallelize(
     apply_tensor_parallel(module, tensor_mesh, options.tensor_parallel.plan)
     blocks = innermost(block_names(module, options.shard.auto_wrap_policy))
     apply_checkpointing_and_compile(module, blocks, options)
+    plain = {p for p in module.parameters() if not p.requires_grad} if choice and choice.chosen.frozen_plain else None
     quantized = apply_fully_shard(module, layout.fsdp_mesh(mesh), layout, options, precision, pretrained, device,
-                                  module_is_root)
+                                  module_is_root, plain)
     schedule_blocks(module, blocks, forward=options.prefetch.forward, backward=options.prefetch.backward,
                     reshard_last=options.prefetch.reshard_last_block)
     apply_root_hooks(module, options)
@@ -177,7 +178,7 @@ def apply_auto_layout(
     return choose_layout(
         module, request, auto_wrap_policy=options.shard.auto_wrap_policy, gathered_dtype=mp_policy.param_dtype,
         checkpointing=(ac.policy, ac.every) if ac.policy is not None else None, nf4=pretrained.nf4_names,
-        module_is_root=module_is_root,
+        module_is_root=module_is_root, frozen_plain=mp_policy.param_dtype is None and not pretrained.quantizes,
     )
 
 
@@ -210,10 +211,12 @@ def apply_fully_shard(
     pretrained: PlannedLoads,
     device: torch.device,
     module_is_root: bool,
+    plain: set[nn.Parameter] | None = None,
 ) -> set[str]:
     """``fully_shard`` bottom-up, then the roots (``wrap.py``), over ``mesh`` (the layout's data-parallel part);
     with weights loaded with ``quantize="nf4"``, group by group, each group's stored in NF4 just before its
-    ``fully_shard`` (``quantize.py``). Return the names of the weights stored in NF4."""
+    ``fully_shard`` (``quantize.py``). ``plain``: parameters FSDP2 leaves alone (``device_mesh="auto"``'s whole
+    replicas: the frozen ones stay plain tensors). Return the names of the weights stored in NF4."""
     shard = options.shard
     arguments = {
         "policy": shard.auto_wrap_policy,
@@ -222,6 +225,8 @@ def apply_fully_shard(
         "reshard_after_forward": shard.reshard_after_forward,
         "model_is_root": module_is_root,
     }
+    if plain:
+        arguments["ignored_params"] = plain
     if pretrained.quantizes:
         return shard_quantizing(module, mesh, pretrained, layout.shard_size, device, **arguments)
     shard_model(module, mesh, **arguments)
