@@ -254,7 +254,10 @@ def test_auto_options_are_checked_at_construction(kwargs: dict, fragment: str) -
 
 
 # --------------------------------------------------------------------------- real runs
-def _reshards_after_forward(layer: torch.nn.Module) -> bool:
+def _reshards_after_forward(layer: torch.nn.Module) -> bool | None:
+    """Whether ``layer``'s FSDP group frees its gathered parameters after forward (``None``: not a group)."""
+    if not hasattr(layer, "_get_fsdp_state"):
+        return None
     return layer._get_fsdp_state()._fsdp_param_group.post_forward_mesh_info is not None
 
 
@@ -304,15 +307,15 @@ def test_auto_replicates_what_fits_and_shards_what_does_not() -> None:
 
 def test_whole_replicas_leave_a_frozen_base_to_plain_tensors() -> None:
     """LoRA with a budget a whole replica fits in: the adapters are FSDP2's, replicated over (2, 1) and their gradients
-    all-reduced, while the frozen base stays plain tensors FSDP2 never gathers, as DDP holds a model: the weights of
-    one process."""
+    all-reduced once per step (the root the only group, no decoder layer a group), while the frozen base stays plain
+    tensors FSDP2 never gathers, as DDP holds a model: the weights of one process."""
     start = _start_state()
     reference = _fit_reference(start, {"batch_size": 2}, {}, world=2)
     report = estimate_layouts(_meta_module(batch_size=2), 2, batch_shape=(2, 16), device_type="cpu")
     assert report.candidates[0].frozen_plain and report.candidates[0].mesh == (2, 1)
     for rank in run_distributed(_fit_auto, 2, start, {"batch_size": 2},
                                 {"memory_budget": _budget(report.candidates[0]), "batch_shape": (2, 16)}):
-        assert (rank["mesh"], rank["rows"], rank["frozen_plain"]) == ((2, 1), 4, True)
+        assert (rank["mesh"], rank["rows"], rank["frozen_plain"], rank["reshard"]) == ((2, 1), 4, True, None)
         _assert_same_weights(rank["state"], reference["state"])
 
 

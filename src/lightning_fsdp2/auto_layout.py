@@ -373,7 +373,8 @@ def estimate(
     frozen_plain: bool = False,
 ) -> Estimate:
     """Per-rank bytes of ``model`` sharded over ``shard`` ranks and replicated ``replicate`` times (``frozen_plain``:
-    whole replicas whose frozen parameters FSDP2 does not manage, so that only the trained ones are gathered):
+    whole replicas whose frozen parameters FSDP2 does not manage and whose roots alone are groups, so that only the
+    trained ones are gathered, all together):
 
     * parameters: each rank's rows of every parameter (``ceil(rows / shard)``), at rest in the storage dtype;
     * gradients and optimizer state: the same for the trainable ones (gradients in the storage dtype, the optimizer's
@@ -393,6 +394,8 @@ def estimate(
     grads = sum(int(t.sharded_numel(shard) * t.stored) for g in model.groups for t in g.tensors if t.trainable)
     blocks = [g.gathered_bytes(frozen_plain) for g in model.groups if not g.root]
     roots = sum(g.gathered_bytes(frozen_plain) for g in model.groups if g.root)
+    if frozen_plain:  # the roots alone are groups: every trained parameter gathered together
+        blocks, roots = [], roots + sum(blocks)
     held = sum(sorted(blocks, reverse=True)[:2]) if reshard_after_forward else sum(blocks)
     unsharded_grads = max((g.gradient_bytes() for g in model.groups), default=0)
     activations = model.activations

@@ -141,8 +141,8 @@ def parallelize(
     plain = {p for p in module.parameters() if not p.requires_grad} if choice and choice.chosen.frozen_plain else None
     quantized = apply_fully_shard(module, layout.fsdp_mesh(mesh), layout, options, precision, pretrained, device,
                                   module_is_root, plain)
-    schedule_blocks(module, blocks, forward=options.prefetch.forward, backward=options.prefetch.backward,
-                    reshard_last=options.prefetch.reshard_last_block)
+    schedule_blocks(module, [] if plain else blocks, forward=options.prefetch.forward,
+                    backward=options.prefetch.backward, reshard_last=options.prefetch.reshard_last_block)
     apply_root_hooks(module, options)
     initialized = apply_values(module, options, pretrained, device, tensor_mesh)
     install_load_hooks(module)  # module.load_state_dict of whole tensors from here on (code written for one device)
@@ -216,7 +216,8 @@ def apply_fully_shard(
     """``fully_shard`` bottom-up, then the roots (``wrap.py``), over ``mesh`` (the layout's data-parallel part);
     with weights loaded with ``quantize="nf4"``, group by group, each group's stored in NF4 just before its
     ``fully_shard`` (``quantize.py``). ``plain``: parameters FSDP2 leaves alone (``device_mesh="auto"``'s whole
-    replicas: the frozen ones stay plain tensors). Return the names of the weights stored in NF4."""
+    replicas: the frozen ones stay plain tensors, and the roots alone are groups, so the trained parameters are
+    gathered and reduced once per step). Return the names of the weights stored in NF4."""
     shard = options.shard
     arguments = {
         "policy": shard.auto_wrap_policy,
@@ -226,7 +227,7 @@ def apply_fully_shard(
         "model_is_root": module_is_root,
     }
     if plain:
-        arguments["ignored_params"] = plain
+        arguments.update(ignored_params=plain, roots_only=True)
     if pretrained.quantizes:
         return shard_quantizing(module, mesh, pretrained, layout.shard_size, device, **arguments)
     shard_model(module, mesh, **arguments)

@@ -116,6 +116,7 @@ def shard_groups(
     reshard_after_forward: bool | int = True,
     model_is_root: bool = False,
     ignored_params: set[nn.Parameter] | None = None,
+    roots_only: bool = False,
 ) -> Iterator[tuple[str, nn.Module]]:
     """``fully_shard`` the selected modules bottom-up, then the roots, one group at a time: yields each group's
     ``(name, module)`` just *before* its ``fully_shard``, which runs when the caller asks for the next one (so a step
@@ -129,6 +130,9 @@ def shard_groups(
     ``model`` the single root; its steps must then run through its ``__call__`` (the strategy sees to that).
     ``model_is_root``: ``model`` is the root whatever it holds, for a front-end that calls ``model`` itself (Fabric
     calls the module given to ``setup_module``). ``ignored_params``: parameters FSDP2 leaves alone (whole, local).
+    ``roots_only``: no block groups, the roots take every managed parameter (whole replicas whose frozen base is
+    ignored: the trained parameters are gathered and their gradients reduced once per step, as DDP reduces its
+    buckets, rather than once per block).
 
     Two kinds of modules are never made groups of their own, whatever the policy says:
 
@@ -151,12 +155,12 @@ def shard_groups(
         kwargs["ignored_params"] = ignored_params
     sharded = 0
     # Post-order: the reversed `named_modules()` order visits children before their parents, so inner groups come first.
-    for name in reversed(block_names(model, policy)):
+    for name in [] if roots_only else reversed(block_names(model, policy)):
         module = model.get_submodule(name)
         yield name, module
         fully_shard(module, **kwargs)
         sharded += 1
-    if not sharded and _rank0():
+    if not sharded and not roots_only and _rank0():
         warnings.warn(
             "The wrap policy selected no module with parameters of its own: only the roots are sharded, so each is"
             " gathered whole for its forward (no memory saved over DDP while it runs). Name the repeated blocks in"
