@@ -31,6 +31,7 @@ import json
 import os
 import statistics
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -132,9 +133,6 @@ def _train(size: str, name: str, device_gib: float | None, batch: tuple[int, int
 def _watch(limit: int) -> None:
     """Kill this process, as the kernel's OOM killer would (exit code 137), once its resident set passes ``limit``
     bytes (checked every millisecond from a thread)."""
-    import os
-    import threading
-
     def watch() -> None:
         while _status_kb("VmRSS") * 1024 <= limit:
             time.sleep(0.001)

@@ -81,11 +81,14 @@ class FrontEndCore:
         """The processes' layout (named mesh dimensions and their sizes), resolved when the processes start (with
         ``device_mesh="auto"``: chosen when the first model is set up)."""
         if self._layout is None:
-            when = ("when the model is set up (device_mesh='auto' chooses it from the model's memory)"
-                    if self._auto_layout is not None else
-                    "after the processes have been set up (in `fit`, or by `fabric.launch()`)")
-            raise RuntimeError(f"The layout exists only {when}.")
+            raise self._not_yet("layout")
         return self._layout
+
+    def _not_yet(self, what: str) -> RuntimeError:
+        when = ("when the model is set up (device_mesh='auto' chooses the layout from the model's memory)"
+                if self._auto_layout is not None else
+                "after the processes have been set up (in `fit`, or by `fabric.launch()`)")
+        return RuntimeError(f"The {what} exists only {when}.")
 
     @property
     def layout_choice(self) -> LayoutChoice | None:
@@ -98,10 +101,7 @@ class FrontEndCore:
         """The mesh parameters are sharded on: 1-D ``("shard",)`` over all processes, or 2-D ``("replicate", "shard")``
         with ``device_mesh=(replicate, shard)`` (HSDP)."""
         if self._device_mesh is None:
-            when = ("when the model is set up (device_mesh='auto' chooses the layout from the model's memory)"
-                    if self._auto_layout is not None else
-                    "after the processes have been set up (in `fit`, or by `fabric.launch()`)")
-            raise RuntimeError(f"The device mesh exists only {when}.")
+            raise self._not_yet("device mesh")
         return self._device_mesh
 
     @property

@@ -28,6 +28,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_fsdp2.blocks import checkpointed_names
 from lightning_fsdp2.layout import REPLICATE, SHARD, Layout
@@ -233,7 +234,7 @@ def _tensor_size(param: Tensor, gathered_dtype: torch.dtype | None, nf4: bool) -
     stored = NF4_BYTES_PER_ELEMENT if nf4 else param.element_size()
     gathered = stored
     if gathered_dtype is not None and param.is_floating_point() and not nf4:
-        gathered = torch.empty((), dtype=gathered_dtype).element_size()
+        gathered = gathered_dtype.itemsize
     return TensorSize(rows, param.numel(), stored, gathered, param.requires_grad)
 
 
@@ -246,13 +247,11 @@ def saved_activations(
     same; with the KV cache a training forward makes by default, which holds the keys and values attention saves
     anyway, and which spares transformers' data-dependent checks of packed sequences, impossible on ``meta``): every
     tensor autograd saves for backward passes through a ``saved_tensors_hooks`` pack hook, which adds up the bytes of
-    each distinct storage that is not a parameter and is still alive when the forward ends. A checkpointed module keeps only its
-    inputs; the one recomputed in backward adds its own saved bytes once. The loss's backward adds two float32
+    each distinct storage that is not a parameter and is still alive when the forward ends. A checkpointed module
+    keeps only its inputs; the one recomputed in backward adds its own saved bytes once. The loss's backward adds two float32
     tensors of the logits' size (the gradient of the log-softmax and its result), where a step's activations peak.
     Models without a Hugging Face causal-LM forward, or whose forward cannot run on ``meta``: ``None`` (a
     margin is held back instead)."""
-    from torch.multiprocessing.reductions import StorageWeakRef
-
     target = _causal_lm(model)
     if target is None:
         return None, (f"{ACTIVATION_MARGIN:.0%} of the budget held back (no Hugging Face causal-LM forward found in"
@@ -390,6 +389,8 @@ def estimate(
       forward in its heap, and the activations allocated in between keep it from reusing them whole, so the heap grows
       by about a block per block (measured on a 48-layer model: 2.0 GB per rank with glibc giving freed memory back,
       4.3 GB without)."""
+    # Nothing to leave plain without frozen parameters (full fine-tuning): the blocks stay groups.
+    frozen_plain = frozen_plain and any(not t.trainable for g in model.groups for t in g.tensors)
     params = sum(int(t.sharded_numel(shard) * t.stored) for g in model.groups for t in g.tensors)
     grads = sum(int(t.sharded_numel(shard) * t.stored) for g in model.groups for t in g.tensors if t.trainable)
     blocks = [g.gathered_bytes(frozen_plain) for g in model.groups if not g.root]
@@ -426,6 +427,22 @@ def candidates(world_size: int, devices_per_node: int) -> list[tuple[int, int, b
     return out
 
 
+def estimate_all(
+    model: ModelSize,
+    world_size: int,
+    devices_per_node: int,
+    *,
+    budget: int | None = None,
+    optimizer_states: int = ADAM_STATES,
+    device_type: str = "cuda",
+    frozen_plain: bool = False,
+) -> tuple[Estimate, ...]:
+    """:func:`estimate` of every one of :func:`candidates`, in their order (``frozen_plain`` for whole replicas)."""
+    return tuple(estimate(model, r, s, k, optimizer_states=optimizer_states, budget=budget, device_type=device_type,
+                          frozen_plain=frozen_plain and s == 1)
+                 for r, s, k in candidates(world_size, devices_per_node))
+
+
 def choose(
     model: ModelSize,
     world_size: int,
@@ -440,9 +457,8 @@ def choose(
     a ``ValueError`` saying what to change when none does. ``frozen_plain``: whole replicas may leave the frozen
     parameters to plain tensors (see :func:`choose_layout`). Pure: every rank, given the same budget, chooses the
     same."""
-    estimates = tuple(estimate(model, r, s, k, optimizer_states=optimizer_states, budget=budget,
-                               device_type=device_type, frozen_plain=frozen_plain and s == 1)
-                      for r, s, k in candidates(world_size, devices_per_node))
+    estimates = estimate_all(model, world_size, devices_per_node, budget=budget, optimizer_states=optimizer_states,
+                             device_type=device_type, frozen_plain=frozen_plain)
     chosen = next((e for e in estimates if e.fits(budget)), None)
     note = model.activations_note
     if chosen is None:
@@ -491,11 +507,7 @@ def choose_layout(
     replicas, the frozen parameters may be left out of ``fully_shard`` (plain tensors, each rank a copy, as DDP holds
     them): FSDP2 would otherwise copy them into gathered buffers and back every step, for nothing (the caller allows
     it where nothing needs FSDP2 to manage them: no mixed-precision cast, no NF4)."""
-    blocks = block_names(module, auto_wrap_policy)
-    roots = [""] if module_is_root else root_names(module)
-    checkpointed = checkpointed_names(module, *checkpointing) if checkpointing is not None else []
-    size = measure_model(module, blocks, roots, gathered_dtype=gathered_dtype, nf4=nf4,
-                         batch_shape=request.batch_shape, checkpointed=checkpointed)
+    size = _measure(module, auto_wrap_policy, module_is_root, gathered_dtype, checkpointing, nf4, request.batch_shape)
     return choose(size, request.world_size, request.devices_per_node, request.budget,
                   device_type=request.device_type, frozen_plain=frozen_plain)
 
@@ -530,20 +542,33 @@ def estimate_layouts(
     plugin = PrecisionCore(precision)  # type: ignore[arg-type]
     model = plugin.convert_module(copy.deepcopy(model))
     budget = check_memory_budget(memory_budget)
-    blocks = block_names(model, auto_wrap_policy)
-    checkpointed = checkpointed_names(model, activation_checkpointing_policy) if activation_checkpointing_policy else []
-    size = measure_model(model, blocks, root_names(model), gathered_dtype=plugin.mixed_precision_policy.param_dtype,
-                         batch_shape=batch_shape, checkpointed=checkpointed)
+    gathered_dtype = plugin.mixed_precision_policy.param_dtype
+    checkpointing = (activation_checkpointing_policy, 1) if activation_checkpointing_policy is not None else None
+    size = _measure(model, auto_wrap_policy, False, gathered_dtype, checkpointing, (), batch_shape)
     devices = devices_per_node or world_size
-    plain = plugin.mixed_precision_policy.param_dtype is None
+    options = dict(optimizer_states=optimizer_states, device_type=device_type, frozen_plain=gathered_dtype is None)
     if budget is not None:
-        return choose(size, world_size, devices, budget, optimizer_states=optimizer_states, device_type=device_type,
-                      frozen_plain=plain)
-    estimates = tuple(estimate(size, r, s, k, optimizer_states=optimizer_states, device_type=device_type,
-                               frozen_plain=plain and s == 1)
-                      for r, s, k in candidates(world_size, devices))
+        return choose(size, world_size, devices, budget, **options)  # type: ignore[arg-type]
+    estimates = estimate_all(size, world_size, devices, **options)  # type: ignore[arg-type]
     return LayoutChoice(estimates, None, None, size.activations_note if size.activations is not None
                         else "not estimated (no batch_shape), not included")
+
+
+def _measure(
+    module: nn.Module,
+    auto_wrap_policy: ModulePolicy | None,
+    module_is_root: bool,
+    gathered_dtype: torch.dtype | None,
+    checkpointing: tuple[ModulePolicy, int] | None,
+    nf4: Iterable[str],
+    batch_shape: BatchShape | None,
+) -> ModelSize:
+    """:func:`measure_model` with the groups ``fully_shard`` will make (``wrap.py``'s blocks, then the roots) and the
+    modules activation checkpointing will take."""
+    roots = [""] if module_is_root else root_names(module)
+    checkpointed = checkpointed_names(module, *checkpointing) if checkpointing is not None else []
+    return measure_model(module, block_names(module, auto_wrap_policy), roots, gathered_dtype=gathered_dtype, nf4=nf4,
+                         batch_shape=batch_shape, checkpointed=checkpointed)
 
 
 def agreed_budget(option: int | None, device: torch.device, local_processes: int) -> int:
