@@ -41,6 +41,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/auto_layout.py --contest --repeats 2
 	$(PY) benchmarks/load_pretrained.py --size large --repeats 3
 	$(PY) benchmarks/save.py --sizes small medium large --async-size large --repeats 3
+	$(PY) benchmarks/integrity.py --sizes 1.1 1.5 --repeats 3
 	$(PY) benchmarks/memory.py --size large --steps 4
 	$(PY) benchmarks/report.py
 

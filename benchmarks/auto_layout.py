@@ -2,7 +2,8 @@
 DDP and today's default (full sharding) on a device of a given size.
 
 ``--estimate``: the Llama sizes of ``load_pretrained.py`` (small 58M, medium 194M, large 551M; 2 x 256 tokens per
-rank) and a deep one (672M in 48 layers; 1 x 64 tokens per rank), LoRA r=8 on q/k/v/o, AdamW, fp32, in two layouts:
+rank) and a deep one (672M in 48 layers; 1 x 64 tokens per rank), LoRA r=8 on q/k/v/o (``SIZE+full``: every
+parameter trained), AdamW, fp32, in two layouts:
 whole replicas ``(2, 1)`` as ``"auto"`` makes them (the frozen base plain tensors, the adapters FSDP2's; chosen with a
 budget of 1000 GiB) and full sharding ``(1, 2)`` (``FSDP2Strategy()``). Per rank: the peak resident set size
 (``VmHWM``) above what the process held when ``fit`` started, against the strategy's estimate for that layout
@@ -10,12 +11,14 @@ budget of 1000 GiB) and full sharding ``(1, 2)`` (``FSDP2Strategy()``). Per rank
 
 Default (``--contest``): three contenders, ``auto``, ``ddp`` (Lightning's ``DDPStrategy``) and ``fsdp2``
 (``FSDP2Strategy()``: full sharding), on an emulated device: a process whose resident set grows past what it held
-when ``fit`` started plus the device size is killed (exit code 137, as by the kernel's OOM killer; checked every
-millisecond), and ``"auto"`` is given the same figure as ``memory_budget``. Three cases
-(``--cases SIZE:GIB:SEQUENCESxTOKENS``): the small model where everything fits; a deep one (48 layers, 672M, a small batch so that the
-parameters are most of the memory) on a device with little room above a whole replica (in between); the same on a
-device a whole replica does not fit (DDP is killed; whether a sharded layout fits is what "auto" decides). A contender
-that runs out of memory is recorded as such.
+when ``fit`` started plus the device size is killed (exit code 137, as by the kernel's OOM killer; its peak looked at
+every 10 ms), and ``"auto"`` is given the same figure as ``memory_budget``. Four cases
+(``--cases SIZE:GIB:SEQUENCESxTOKENS``, ``SIZE+full`` for full fine-tuning): the small model where everything fits;
+a deep one (48 layers, 672M, a small batch so that the parameters are most of the memory) on a device with little
+room above a whole replica (in between); the same on a device a whole replica does not fit (DDP is killed, and so is
+full sharding: glibc's heap); the medium model (194M) fully fine-tuned on a device DDP does not fit (parameters,
+gradients and Adam's two moments: sharding halves all four). A contender that runs out of memory is recorded as
+such. One untimed run (DDP) before each case.
 
     python benchmarks/auto_layout.py --estimate
     python benchmarks/auto_layout.py --contest --repeats 2
@@ -73,13 +76,17 @@ class Lora(LoRALlama):
 
 
 def build(size: str) -> torch.nn.Module:
+    """``size`` of :data:`SIZES` with LoRA on q/k/v/o, or ``SIZE+full`` for every parameter trained."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
+    size, full = size.removesuffix("+full"), size.endswith("+full")
     config = LlamaConfig(num_key_value_heads=None, max_position_embeddings=512, tie_word_embeddings=False,
                          **SIZES[size])
     torch.manual_seed(0)
     model = LlamaForCausalLM(config)
+    if full:
+        return model
     return get_peft_model(model, LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"]))
 
 
@@ -113,9 +120,9 @@ def _train(size: str, name: str, device_gib: float | None, batch: tuple[int, int
     torch.set_num_threads(1)
     budget = int(device_gib * 2**30) if device_gib else None
     start_kb = _status_kb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM from here
     if budget is not None:  # the emulated device: a process whose resident set grows past `budget` is killed
         _watch(start_kb * 1024 + budget)
-    Path("/proc/self/clear_refs").write_text("5")
     module = Lora(size, batch)
     strategy = _strategy(name, budget, batch)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, precision="32-true",
@@ -131,11 +138,12 @@ def _train(size: str, name: str, device_gib: float | None, batch: tuple[int, int
 
 
 def _watch(limit: int) -> None:
-    """Kill this process, as the kernel's OOM killer would (exit code 137), once its resident set passes ``limit``
-    bytes (checked every millisecond from a thread)."""
+    """Kill this process, as the kernel's OOM killer would (exit code 137), once its peak resident set (``VmHWM``, so
+    that no spike between two looks is missed) passes ``limit`` bytes. Looked at every 10 ms from a thread: every
+    millisecond, the thread's GIL requests slowed the contenders with more Python per step (FSDP2's hooks) more."""
     def watch() -> None:
-        while _status_kb("VmRSS") * 1024 <= limit:
-            time.sleep(0.001)
+        while _status_kb("VmHWM") * 1024 <= limit:
+            time.sleep(0.01)
         os._exit(137)
 
     threading.Thread(target=watch, daemon=True).start()
@@ -198,13 +206,16 @@ def run_contest(args: argparse.Namespace, out: Path) -> None:
         size, gib, batch = case.split(":")
         cases.append((size, float(gib), tuple(int(n) for n in batch.split("x"))))
     for size, gib, batch in cases:
+        # Untimed: the first run after the machine was idle was up to 15% slower, whichever contender it was (memory
+        # the VM hands back when idle is faulted in again).
+        print("warm-up", size, gib, _contest_run(size, "ddp", gib, batch), flush=True)
         for repeat in range(args.repeats):
             for name in ("auto", "ddp", "fsdp2") if repeat % 2 == 0 else ("fsdp2", "ddp", "auto"):
                 result = _contest_run(size, name, gib, batch)
                 rows.setdefault(f"{size} {gib} {name}", {"runs": []})["runs"].append(result)
                 print(size, gib, name, result, flush=True)
     lines = ["`device_mesh=\"auto\"` against DDP and full sharding (`FSDP2Strategy()`), world size 2, Llama + LoRA r=8"
-             f" on q/k/v/o, AdamW, fp32, CPU, 1 thread per process, median of {args.repeats}. The device is emulated:"
+             f" on q/k/v/o (or every parameter trained: \"full fine-tuning\"), AdamW, fp32, CPU, 1 thread per process, median of {args.repeats}. The device is emulated:"
              " a process whose resident set grows past what it held when `fit` started plus the device size is killed"
              " (as by the OOM killer), and \"auto\" is given the device size as memory_budget.", "",
              "| model, batch per rank | device per rank | auto chose | auto tokens/s | DDP tokens/s | full sharding"
@@ -222,7 +233,8 @@ def run_contest(args: argparse.Namespace, out: Path) -> None:
         ratio = lambda a, b: f"{a / b:.2f}x" if isinstance(a, float) and isinstance(b, float) else "-"  # noqa: E731
         said = (f"({chosen[0]}, {chosen[1]}){', frozen plain' if chosen[3] else ''}, reshard {chosen[2]}" if chosen
                 else "-")
-        lines.append(f"| {size} ({SIZES_SAID[size]}), {batch[0]} x {batch[1]} | {gib} GiB | {said} | {shown(auto)} |"
+        said_size = SIZES_SAID[size.removesuffix("+full")] + (", full fine-tuning" if size.endswith("+full") else "")
+        lines.append(f"| {size} ({said_size}), {batch[0]} x {batch[1]} | {gib} GiB | {said} | {shown(auto)} |"
                      f" {shown(ddp)} | {shown(full)} | {ratio(auto, ddp)} | {ratio(auto, full)} |")
     command = f"python benchmarks/auto_layout.py --contest --cases {' '.join(args.cases)} --repeats {args.repeats}"
     _write(out / "auto-layout", rows, lines, command)
@@ -244,7 +256,8 @@ def main() -> None:
     parser.add_argument("--contest", action="store_true", help="auto against DDP and full sharding (default)")
     parser.add_argument("--sizes", nargs="*", default=["small", "medium", "large", "deep:1x64"],
                         help="--estimate's models: SIZE, or SIZE:SEQUENCESxTOKENS for another batch per rank")
-    parser.add_argument("--cases", nargs="*", default=["small:4:2x256", "deep:3.6:1x64", "deep:2.9:1x64"],
+    parser.add_argument("--cases", nargs="*", default=["small:4:2x256", "deep:3.6:1x64", "deep:2.9:1x64",
+                                                       "medium+full:4:1x64"],
                         help="--contest's cases, SIZE:GIB:SEQUENCESxTOKENS (model, device per rank, batch per rank)")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))

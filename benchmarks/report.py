@@ -25,6 +25,12 @@ SECTIONS = [
      "`unmatched_forward_timeout` costs a training step: FSDP2Strategy with it (the default) and without, side by side "
      "(`python benchmarks/throughput.py --knobs --only fsdp2 fsdp2+no_forward_check --repeats 3 --out DIR`, copied to"
      " `forward-check.*`)."),
+    ("The watch for peers that moved on, in training steps", "peer-watch", "What `peer_timeout` costs a training step:"
+     " FSDP2Strategy with it (the default: each rank's phase published by a thread, the process groups' timeout"
+     " lowered) and without, side by side (`python benchmarks/throughput.py --knobs --only fsdp2 fsdp2+no_peer_watch"
+     " --repeats 3 --out DIR`, copied to `peer-watch.*`)."),
+    ("Checkpoint checksums", "integrity", "What the CRC-32s of `verify_checkpoints` cost: writing with them against"
+     " without, verifying against reading the same bytes (`python benchmarks/integrity.py --sizes 1.1 1.5`)."),
     ("Tensor parallelism", "tensor-parallel", "FSDP over 4, TP 2 x FSDP 2 and TP 4 at world size 4 (one global batch),"
      " each against Lightning's ModelParallelStrategy with the same plan written by hand. On CPUs with gloo TP is"
      " expected to be slower than FSDP: its all-reduces sit on the critical path of every layer, on the same cores"

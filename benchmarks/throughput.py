@@ -129,6 +129,7 @@ KNOBS = {  # FSDP2Strategy arguments of the --knobs contenders
     "fsdp2+forward_prefetch": {"forward_prefetch": 1},
     "fsdp2+keep_last_block": {"reshard_last_block": False},
     "fsdp2+no_forward_check": {"unmatched_forward_timeout": None},  # what lockstep.py costs a training step
+    "fsdp2+no_peer_watch": {"peer_timeout": None},  # what lockstep.PeerWatch (phases, store thread) costs a step
 }
 
 

@@ -36,8 +36,8 @@ from tests.test_strategy import _assert_same_weights, _fit_reference, _start_sta
 
 
 def _budget(estimate) -> int:
-    """The smallest budget ``estimate`` fits (its total within 90% of it)."""
-    return math.ceil(estimate.total / 0.9)
+    """The smallest budget ``estimate`` fits (its total within 85% of it)."""
+    return math.ceil(estimate.total / 0.85)
 
 
 def _meta_module(**kwargs) -> LlamaModule:
@@ -75,10 +75,10 @@ def test_the_estimate_adds_up_each_component() -> None:
     assert e.gathered == 14 * 2 + 2 * block + 12 * 4
     assert estimate(model, 1, 4, False).gathered == 14 * 2 + 3 * block + 12 * 4
     assert e.activations == 1000
-    moving = e.gradients + e.optimizer + e.gathered + 1000  # allocated and freed every step
+    moving = e.gradients + e.gathered + 1000  # allocated and freed every step (the optimizer's state is kept)
     assert e.allocator == int(0.1 * moving) and estimate(model, 1, 4, True, device_type="cpu").allocator == moving
-    assert e.total == e.parameters + moving + e.allocator
-    assert e.fits(math.ceil(e.total / 0.9)) and not e.fits(math.ceil(e.total / 0.9) - 1)
+    assert e.total == e.parameters + e.optimizer + moving + e.allocator
+    assert e.fits(math.ceil(e.total / 0.85)) and not e.fits(math.ceil(e.total / 0.85) - 1)
     # On CPU, blocks freed after forward leave at least every block's gathered bytes in glibc's heap.
     frozen = ModelSize(tuple(GroupSize(f"b{i}", (TensorSize(10, 40, 4, 4, False),), False) for i in range(5)),
                        activations=0)
@@ -378,8 +378,8 @@ def test_fabric_chooses_too() -> None:
     with torch.device("meta"):
         model = build_llama(False, num_hidden_layers=3)
     replicas, keep, _ = estimate_layouts(model, 2, device_type="cpu").candidates
-    # No batch_shape: a quarter of the budget is held back for activations, and the rest must be within 90% of it.
-    whole, sharded = math.ceil(replicas.total / 0.65) + 1, math.ceil(keep.total / 0.65) + 1
+    # No batch_shape: a quarter of the budget is held back for activations, and the rest must be within 85% of it.
+    whole, sharded = math.ceil(replicas.total / 0.6) + 1, math.ceil(keep.total / 0.6) + 1
     assert sharded < whole
     for rank in run_distributed(_fabric_auto, 2, whole):
         assert rank == {"mesh": (2, 1), "chosen": (2, 1), "layout": (2, 1)}

@@ -184,6 +184,76 @@ def test_load_pretrained_names_what_does_not_fit(pretrained: Path, tmp_path: Pat
         load_pretrained(model, tmp_path / "empty")
 
 
+def _weights(pretrained: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    weights = {}
+    for file in sorted(pretrained.glob("*.safetensors")):
+        weights.update(load_file(file))
+    return weights
+
+
+def test_load_pretrained_refuses_integer_bool_and_non_finite_sources(pretrained: Path, tmp_path: Path) -> None:
+    """An int64 or bool tensor for a float parameter (a file that does not hold weights), or a NaN/infinity in a
+    weight, is an error naming the tensor and the file, unless allowed; float32 into bf16 stays a plain cast."""
+    from safetensors.torch import save_file
+    from transformers import LlamaForCausalLM
+
+    weights = _weights(pretrained)
+    name = "model.layers.0.mlp.up_proj.weight"
+    for dtype in (torch.int64, torch.bool):
+        bad = dict(weights, **{name: (weights[name] * 100).to(dtype)})
+        save_file(bad, tmp_path / "bad.safetensors")
+        model = LlamaForCausalLM(tiny_llama_config())
+        with pytest.raises(CheckpointFileError, match=rf"'{name}' is {str(dtype)[6:]} in .*bad\.safetensors but '{name}'"
+                           r" is float32 in the model.*allow_cast=True"):
+            load_pretrained(model, tmp_path / "bad.safetensors")
+        load_pretrained(model, tmp_path / "bad.safetensors", allow_cast=True)  # asked for: cast as copy_ casts
+        assert torch.equal(model.get_parameter(name), bad[name].float())
+    with pytest.raises(CheckpointFileError, match="would be cast into floating-point.*is int64 in the given state dict"):
+        load_pretrained(LlamaForCausalLM(tiny_llama_config()), dict(weights, **{name: weights[name].long()}))
+
+    for value in (float("nan"), float("inf")):
+        bad = dict(weights, **{name: weights[name].clone()})
+        bad[name][-1, 3] = value
+        save_file(bad, tmp_path / "bad.safetensors")
+        model = LlamaForCausalLM(tiny_llama_config())
+        with pytest.raises(CheckpointFileError, match=rf"NaN or infinite values into 1 parameter\(s\) of"
+                           rf" LlamaForCausalLM: '{name}' \(from '{name}' in .*bad\.safetensors\).*allow_non_finite"):
+            load_pretrained(model, tmp_path / "bad.safetensors")
+        load_pretrained(model, tmp_path / "bad.safetensors", allow_non_finite=True)
+        assert torch.equal(model.get_parameter(name).isfinite(), bad[name].isfinite())
+
+    halves = LlamaForCausalLM(tiny_llama_config()).to(torch.bfloat16)
+    load_pretrained(halves, pretrained)  # float32 -> bf16: the usual cast, no error
+    assert torch.equal(halves.get_parameter(name), weights[name].to(torch.bfloat16))
+
+
+def _load_nan(source: str) -> str:
+    module = PretrainedProbe(source, lora=False)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), **quiet_trainer_kwargs())
+    try:
+        trainer.validate(module, verbose=False)
+    except CheckpointFileError as err:
+        return str(err)
+    return "loaded"
+
+
+def test_a_nan_in_one_ranks_slice_fails_every_rank(pretrained: Path, tmp_path: Path) -> None:
+    """Under FSDP2 each rank reads only its rows: a NaN in the last row is seen by rank 1 alone, and both ranks raise
+    the same error, naming the tensor and the rank that found it, before any step."""
+    from safetensors.torch import save_file
+
+    weights = _weights(pretrained)
+    name = "model.layers.1.mlp.down_proj.weight"
+    weights[name][-1, 0] = float("nan")  # the last row: rank 1's shard of dim 0
+    save_file(weights, tmp_path / "model.safetensors")
+    messages = run_distributed(_load_nan, 2, str(tmp_path / "model.safetensors"))
+    assert messages[0] == messages[1]
+    assert f"'{name}' (from '{name}' in {tmp_path / 'model.safetensors'})" in messages[0]
+    assert "found by rank(s) 1 in their slices" in messages[0]
+
+
 def test_load_pretrained_matches_prefixes_and_keeps_buffers_it_lacks(pretrained: Path) -> None:
     """A ...ForCausalLM checkpoint into its base model, a Lightning checkpoint's names, and a persistent buffer the
     source does not hold (kept, not an error)."""

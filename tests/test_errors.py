@@ -48,9 +48,51 @@ def test_lora_helpers_name_what_is_missing(tmp_path: Path) -> None:
 
     with pytest.raises(CheckpointFileError, match="LlamaForCausalLM has no peft adapters to load saved adapters into"):
         load_adapter(LlamaForCausalLM(tiny_llama_config()), tmp_path / "adapter")
-    other = get_peft_model(LlamaForCausalLM(tiny_llama_config()), LoraConfig(r=4, target_modules=["k_proj"]))
+    other = get_peft_model(LlamaForCausalLM(tiny_llama_config()), LoraConfig(r=4, lora_alpha=8, target_modules=["k_proj"]))
     with pytest.raises(CheckpointFileError, match="Cannot load saved adapters into PeftModel.*not in the source"):
         load_adapter(other, tmp_path / "adapter")
+
+
+def test_an_adapter_saved_with_another_alpha_is_refused_unless_asked(tmp_path: Path) -> None:
+    """The saved configuration is the right one (peft's from_pretrained uses it; the weights were trained under its
+    scaling): a model whose adapter has another lora_alpha or rslora is refused, naming both values; built from the
+    saved config it loads, and check_config=False loads the same tensors into the model's own configuration."""
+    from peft import LoraConfig, PeftConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+
+    base_state = {k: v.clone() for k, v in LlamaForCausalLM(tiny_llama_config()).state_dict().items()}
+
+    def model(**config):
+        base = LlamaForCausalLM(tiny_llama_config())
+        base.load_state_dict(base_state)
+        return get_peft_model(base, LoraConfig(**{"r": 4, "lora_alpha": 8, "lora_dropout": 0.0,
+                                                  "target_modules": ["q_proj", "v_proj"], **config}))
+
+    saved = model()
+    with torch.no_grad():
+        for name, param in saved.named_parameters():
+            if "lora_B" in name:
+                param.normal_()  # a trained adapter: B is no longer zero, so the scaling shows in the outputs
+    saved.save_pretrained(tmp_path / "adapter")
+
+    for config, said in (({"lora_alpha": 32}, "lora_alpha=8 saved, 32 in the model"),
+                         ({"use_rslora": True}, "use_rslora=False saved, True in the model")):
+        other = model(**config)
+        with pytest.raises(CheckpointFileError, match=rf"saved with another configuration than the model's adapter"
+                           rf" 'default': {said}.*PeftConfig.from_pretrained"):
+            load_adapter(other, tmp_path / "adapter")
+        with pytest.raises(CheckpointFileError, match=said):  # the file alone: its directory's config
+            load_adapter(other, tmp_path / "adapter" / "adapter_model.safetensors")
+    inputs = torch.randint(0, tiny_llama_config().vocab_size, (1, 8))
+    base = LlamaForCausalLM(tiny_llama_config())
+    base.load_state_dict(base_state)
+    right = get_peft_model(base, PeftConfig.from_pretrained(tmp_path / "adapter"))
+    load_adapter(right, tmp_path / "adapter")
+    expected = saved(input_ids=inputs).logits
+    assert torch.allclose(right(input_ids=inputs).logits, expected)
+    anyway = model(lora_alpha=32)
+    load_adapter(anyway, tmp_path / "adapter", check_config=False)  # asked for: the model's scaling, 4x the saved
+    assert not torch.allclose(anyway(input_ids=inputs).logits, expected, atol=1e-3)
 
 
 def test_a_run_from_a_saved_adapter_config_has_nothing_to_train(tmp_path: Path) -> None:

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from tests.helpers import run_distributed
-from tests.models import tiny_llama_config, world
+from tests.models import LlamaModule, quiet_trainer_kwargs, tiny_llama_config, world
 
 BOUND = 5.0
 
@@ -98,3 +98,97 @@ def test_unmatched_forward_timeout_is_checked_at_construction(value: Any) -> Non
 
     with pytest.raises(ValueError, match="unmatched_forward_timeout"):
         FSDP2Strategy(unmatched_forward_timeout=value)
+
+
+# ------------------------------------------------------------------------------- a peer that stopped taking part
+class _Misbehaving(LlamaModule):
+    """Rank 1 misbehaves at its third batch: ``stuck`` sleeps in its own code (4 bounds); ``swallow`` raises and
+    catches an error, returning a loss the model took no part in (no all-gather, no reduce-scatter for that batch:
+    rank 1 is a batch ahead from then on, and finishes while rank 0 still waits in its last step)."""
+
+    def __init__(self, how: str) -> None:
+        super().__init__(lora=True)
+        self.how = how
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor | None:
+        if self.global_rank == 1 and batch_idx == 2:
+            if self.how == "stuck":
+                time.sleep(4 * BOUND)
+            elif self.how == "swallow":
+                try:
+                    raise ValueError("a bad batch")
+                except ValueError:
+                    return torch.zeros((), requires_grad=True)  # "skip it": a loss the model took no part in
+        return super().training_step(batch, batch_idx)
+
+
+def _misbehave(how: str, out: str) -> None:
+    from lightning_fsdp2 import FSDP2Strategy
+
+    module = _Misbehaving(how)
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(peer_timeout=BOUND), max_steps=6,
+                        **quiet_trainer_kwargs())
+    _timed(lambda: trainer.fit(module), out, trainer.global_rank, lambda: trainer.global_rank == 1 and how == "save")
+    if how == "save":  # after fit, rank 0 alone saves (e.g. `if trainer.is_global_zero: trainer.save_checkpoint`)
+        if trainer.global_rank == 0:
+            _timed(lambda: trainer.save_checkpoint(Path(out, "model.ckpt")), out, 0)
+        else:
+            time.sleep(4 * BOUND)  # then the helper's closing barrier: rank 0 has long failed
+
+
+def _timed(run: Any, out: str, rank: int, quiet: Any = lambda: False) -> None:
+    start = time.monotonic()
+    outcome: dict[str, Any] = {"error": None}
+    try:
+        run()
+    except Exception as err:  # noqa: BLE001 - the test reads what each rank saw
+        outcome["error"], outcome["type"] = str(err), type(err).__name__
+        raise
+    finally:
+        outcome["elapsed"] = time.monotonic() - start
+        if not quiet():
+            Path(out, f"{rank}.json").write_text(json.dumps(outcome))
+
+
+def _outcomes(tmp_path: Path) -> list[dict[str, Any]]:
+    return [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
+
+
+def test_a_rank_stuck_in_its_own_code_is_named_within_the_bound(tmp_path: Path) -> None:
+    """Rank 1 sleeps in training_step at batch 3: rank 0, in that batch's all-gathers, raises PeerLostError after
+    the bound (not the process group's 30 minutes), saying rank 1 is at the same batch (stuck or slow)."""
+    with pytest.raises(RuntimeError):
+        run_distributed(_misbehave, 2, "stuck", str(tmp_path), timeout=180)
+    rank0, rank1 = _outcomes(tmp_path)
+    assert rank0["type"] == "PeerLostError", rank0
+    assert "Rank 0 waited in a collective (in training_step (training batch 3))" in rank0["error"], rank0["error"]
+    assert "after 5 s (FSDP2Strategy(peer_timeout=...))" in rank0["error"]
+    assert "rank 1: in training_step (training batch 3)" in rank0["error"]
+    assert "stuck in its own code" in rank0["error"]
+    assert rank0["elapsed"] <= 4 * BOUND, rank0  # the bound after a few quick steps, not rank 1's sleep
+    # Rank 1, back from its sleep, finds rank 0 (and the store it served) gone, and says so.
+    assert rank1["type"] == "PeerLostError" and "rank 0, whose store holds them, has probably exited" in rank1["error"]
+
+
+@pytest.mark.slow  # two bounds of waiting, like the test above
+def test_a_rank_that_swallowed_an_error_and_moved_on_is_named(tmp_path: Path) -> None:
+    """Rank 1 catches an error in training_step at batch 3 and skips that batch's collectives: a rank ends up
+    waiting for the other, and raises within the bound naming where the other was (another batch, or finished)."""
+    with pytest.raises(RuntimeError):
+        run_distributed(_misbehave, 2, "swallow", str(tmp_path), timeout=180)
+    outcomes = _outcomes(tmp_path)
+    lost = [o for o in outcomes if o.get("type") == "PeerLostError"]
+    assert lost, outcomes
+    assert any("A rank moved on without this step's collectives" in o["error"] for o in lost), lost
+    assert all(o["elapsed"] <= 60 for o in outcomes), outcomes
+
+
+def test_a_save_on_rank_0_alone_says_every_rank_must_call_it(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError):
+        run_distributed(_misbehave, 2, "save", str(tmp_path), timeout=180)
+    rank0 = json.loads((tmp_path / "0.json").read_text())
+    assert rank0["type"] == "PeerLostError", rank0
+    assert "Every rank must call trainer.save_checkpoint" in rank0["error"], rank0["error"]
+    assert "rank 1: finished (its run ended)" in rank0["error"]
+    assert rank0["elapsed"] <= 2 * BOUND + 10, rank0
+    assert not list(tmp_path.glob("model.ckpt*")), "nothing left behind"

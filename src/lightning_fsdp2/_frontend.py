@@ -35,6 +35,7 @@ from lightning_fsdp2.auto_layout import AutoLayout, LayoutChoice, agreed_budget
 from lightning_fsdp2.checkpoint.pretrained import DeferredLoads
 from lightning_fsdp2.init import meta_init_context
 from lightning_fsdp2.layout import Layout
+from lightning_fsdp2.lockstep import PeerWatch
 from lightning_fsdp2.options import StrategyOptions
 from lightning_fsdp2.parallel import ModulePrecision, Parallelized, parallelize
 from lightning_fsdp2.precision import convert_stock_precision
@@ -64,6 +65,7 @@ class FrontEndCore:
         self._auto_layout: AutoLayout | None = None  # device_mesh="auto": the request, until a model is set up
         self._layout_choice: LayoutChoice | None = None  # ... and what it chose
         self._deferred = DeferredLoads()  # load_pretrained calls made while the model is built, run after sharding
+        self._peer_watch = PeerWatch(options.peer_watch.timeout)  # each rank's phase, for a peer left waiting
 
     @property
     def _sharded(self) -> bool:
@@ -170,6 +172,7 @@ class FrontEndCore:
             self._auto_layout = AutoLayout(self.world_size, self.num_processes,  # type: ignore[attr-defined]
                                            agreed_budget(options.memory_budget, device, self.num_processes),
                                            options.batch_shape, device.type)
+        self._peer_watch.start(lambda: self._device_mesh.get_all_groups() if self._device_mesh is not None else [])
 
     # ---------------------------------------------------------------- the model
     @contextmanager
@@ -211,23 +214,26 @@ class FrontEndCore:
         """Wait for all processes."""
         if not _distributed_is_initialized():
             return
-        if torch.distributed.get_backend() == "nccl":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        with self._peer_watch.phase("barrier"):
+            if torch.distributed.get_backend() == "nccl":
+                torch.distributed.barrier(device_ids=[self.root_device.index])
+            else:
+                torch.distributed.barrier()
 
     def broadcast(self, obj: Any, src: int = 0) -> Any:
         """Send a picklable object from ``src`` to every process."""
         if not _distributed_is_initialized():
             return obj
         holder = [obj]
-        torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
+        with self._peer_watch.phase("broadcast"):
+            torch.distributed.broadcast_object_list(holder, src, group=_group.WORLD)
         return holder[0]
 
     def _reduce(self, tensor: Tensor | Any, group: Any | None, reduce_op: ReduceOp | str | None) -> Tensor | Any:
         """Reduce a tensor over all processes; other values pass through."""
         if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+            with self._peer_watch.phase("reduce"):
+                return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
     @classmethod

@@ -29,7 +29,7 @@ from lightning_fsdp2.checkpoint.files import (
     load_torch_file,
     stale_safetensors_weights,
 )
-from lightning_fsdp2.checkpoint import safe_dcp
+from lightning_fsdp2.checkpoint import integrity, safe_dcp
 from lightning_fsdp2.checkpoint.formats import read_sharded_meta
 from lightning_fsdp2.checkpoint.optimizer_keys import optimizer_state_by_index
 from lightning_fsdp2.peft_support import canonical_name, is_adapter_key
@@ -37,12 +37,15 @@ from lightning_fsdp2.peft_support import canonical_name, is_adapter_key
 __all__ = ["read_full_checkpoint", "sharded_to_full", "to_hf_safetensors", "main"]
 
 
-def read_full_checkpoint(src: str | os.PathLike, weights_only: bool = True) -> dict[str, Any]:
+def read_full_checkpoint(src: str | os.PathLike, weights_only: bool = True, verify: bool = True) -> dict[str, Any]:
     """A checkpoint of either format as one in-memory full checkpoint (the dict a ``"full"`` file holds).
 
-    ``weights_only=False`` unpickles arbitrary objects: only for files you trust.
+    ``weights_only=False`` unpickles arbitrary objects: only for files you trust. ``verify``: check the checksums
+    written with it first (a ``CheckpointFileError`` names damaged data).
     """
     src = Path(src)
+    if verify:
+        integrity.verify(src, together=False)
     if not src.is_dir():
         return load_torch_file(src, weights_only=weights_only)
     from torch.distributed.checkpoint.format_utils import _load_state_dict
@@ -66,14 +69,15 @@ def read_full_checkpoint(src: str | os.PathLike, weights_only: bool = True) -> d
     return checkpoint
 
 
-def sharded_to_full(src: str | os.PathLike, dst: str | os.PathLike) -> Path:
-    """Write the sharded checkpoint ``src`` as one full Lightning checkpoint file ``dst`` (atomically)."""
+def sharded_to_full(src: str | os.PathLike, dst: str | os.PathLike, *, verify: bool = True) -> Path:
+    """Write the sharded checkpoint ``src`` as one full Lightning checkpoint file ``dst`` (atomically; its records
+    carry CRC-32s, as ``torch.save``'s do). ``verify``: check ``src``'s checksums first."""
     if not Path(src).exists():
         raise FileNotFoundError(f"No checkpoint at {src}: no such file or directory.")
     if not is_sharded_checkpoint(src):
         raise ValueError(f"{src} is not a sharded checkpoint directory (it needs '.metadata' and 'meta.pt').")
     check_replaceable(dst)  # before the (long) read: never replace what is not a checkpoint
-    atomic_save(read_full_checkpoint(src), dst)
+    atomic_save(read_full_checkpoint(src, verify=verify), dst)
     return Path(dst)
 
 
@@ -85,6 +89,7 @@ def to_hf_safetensors(
     config_from: str | os.PathLike | None = None,
     max_shard_size: str = "5GB",
     keep_peft_names: bool = False,
+    verify: bool = True,
 ) -> Path:
     """Write the model weights of checkpoint ``src`` (either format) as a Hugging Face safetensors directory.
 
@@ -103,7 +108,7 @@ def to_hf_safetensors(
 
     from huggingface_hub import save_torch_state_dict
 
-    state = read_full_checkpoint(src)["state_dict"]
+    state = read_full_checkpoint(src, verify=verify)["state_dict"]
     if prefix is None:
         heads = {name.split(".", 1)[0] for name in state}
         prefix = f"{heads.pop()}." if len(heads) == 1 and all("." in n for n in state) else ""
@@ -148,14 +153,16 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-shard-size", default="5GB", help="for --to hf: largest safetensors file")
     parser.add_argument("--keep-peft-names", action="store_true",
                         help="for --to hf: write a peft model's weights under peft's names (for load_pretrained)")
+    parser.add_argument("--no-verify", action="store_true",
+                        help="read SRC without checking the checksums written with it")
     args = parser.parse_args(argv)
     try:
         if args.to == "full":
-            out = sharded_to_full(args.src, args.dst)
+            out = sharded_to_full(args.src, args.dst, verify=not args.no_verify)
         else:
             out = to_hf_safetensors(
                 args.src, args.dst, prefix=args.prefix, config_from=args.config_from,
-                max_shard_size=args.max_shard_size, keep_peft_names=args.keep_peft_names,
+                max_shard_size=args.max_shard_size, keep_peft_names=args.keep_peft_names, verify=not args.no_verify,
             )
     except (CheckpointFileError, FileNotFoundError, ValueError) as err:
         parser.exit(1, f"error: {err}\n")

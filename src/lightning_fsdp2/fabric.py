@@ -40,7 +40,7 @@ from torch.optim import Optimizer
 
 from lightning_fsdp2._frontend import FrontEndCore, precision_property
 from lightning_fsdp2.blocks import SavePolicy
-from lightning_fsdp2.checkpoint import formats
+from lightning_fsdp2.checkpoint import formats, integrity
 from lightning_fsdp2.checkpoint.safe_dcp import check_sharded_files
 from lightning_fsdp2.checkpoint.files import (
     FORMAT_KEY,
@@ -51,6 +51,7 @@ from lightning_fsdp2.checkpoint.files import (
 from lightning_fsdp2.checkpoint.module_load import install_optimizer_load_hook
 from lightning_fsdp2.checkpoint.plan import tied_aliases
 from lightning_fsdp2.checkpoint.pretrained import load_pretrained
+from lightning_fsdp2.lockstep import watched
 from lightning_fsdp2.options import StateDictType, StrategyOptions
 from lightning_fsdp2.parallel import Parallelized, check_not_rebuilt, no_gradient_sync, reshard, untrainable_reason
 from lightning_fsdp2.precision import FabricFSDP2Precision as FSDP2Precision
@@ -69,9 +70,10 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
     ``activation_checkpointing_save``, ``mixed_precision``, ``reshard_after_forward``, ``cpu_offload``,
     ``device_mesh`` (``"auto"`` too), ``memory_budget``, ``batch_shape``, ``tensor_parallel_size``, ``tensor_parallel_plan``, ``compile``, ``forward_prefetch``,
     ``backward_prefetch``, ``reshard_last_block``,
-    ``offload_activations``, ``unmatched_forward_timeout``, ``meta_init`` (what ``fabric.init_module()`` does when
-    ``empty_init`` is not given), ``process_group_backend``, ``timeout``, ``state_dict_type`` and
-    ``save_trainable_only``. Not here: ``start_method`` (Fabric starts processes by re-running the script, or
+    ``offload_activations``, ``unmatched_forward_timeout``, ``peer_timeout`` (from the second ``fabric.backward``
+    on; the phases seen are ``backward``, the optimizer step, saving and loading), ``meta_init`` (what ``fabric.init_module()`` does when
+    ``empty_init`` is not given), ``process_group_backend``, ``timeout``, ``state_dict_type``,
+    ``save_trainable_only`` and ``verify_checkpoints`` (``fabric.load`` and ``fabric.load_raw``). Not here: ``start_method`` (Fabric starts processes by re-running the script, or
     runs under torchrun/SLURM) and ``async_save``.
 
     Use::
@@ -107,11 +109,13 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         reshard_last_block: bool = True,
         offload_activations: bool = False,
         unmatched_forward_timeout: float | None = 60.0,
+        peer_timeout: float | None = 300.0,
         meta_init: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         state_dict_type: StateDictType = "full",
         save_trainable_only: bool = False,
+        verify_checkpoints: bool = True,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -267,12 +271,28 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
             self.precision.main_params(optimizer), max_norm, norm_type=norm_type, error_if_nonfinite=error_if_nonfinite
         )
 
+    def backward(self, tensor: Tensor, module: nn.Module | None, *args: Any, **kwargs: Any) -> None:
+        """``fabric.backward`` (the gradients' reduce-scatters run in it), as a phase other ranks can see."""
+        with self._peer_watch.phase("backward"):
+            super().backward(tensor, module, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, **kwargs: Any) -> Any:
+        """The optimizer's step, as a phase other ranks can see."""
+        with self._peer_watch.phase("optimizer_step"):
+            return super().optimizer_step(optimizer, **kwargs)
+
+    def teardown(self) -> None:
+        """Tell the other ranks this one is done; then Lightning's teardown."""
+        self._peer_watch.stop("finished (its run ended)")
+        super().teardown()
+
     # ---------------------------------------------------------------- collectives
     def all_reduce(self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Any:
         """Reduce a tensor over all processes (mean by default)."""
         return self._reduce(tensor, group, reduce_op)
 
     # ---------------------------------------------------------------- checkpoints
+    @watched
     def save_checkpoint(
         self,
         path: _PATH,
@@ -310,6 +330,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         )
         self.barrier()
 
+    @watched
     def load_checkpoint(
         self,
         path: _PATH,
@@ -324,7 +345,8 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         if isinstance(state, (nn.Module, Optimizer)):
             self.load_raw(path, state, strict=strict, weights_only=weights_only)
             return {}
-        checkpoint = formats.load(path, weights_only=weights_only, checkpoint_io=self.checkpoint_io)
+        checkpoint = formats.load(path, weights_only=weights_only, checkpoint_io=self.checkpoint_io,
+                                  verify=self._options.save.verify_checkpoints)
         if state is None:
             if checkpoint.sharded:
                 raise ValueError(
@@ -362,6 +384,8 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         holding them under one entry, each rank its slices; or an optimizer's state from a file holding
         ``optimizer.state_dict()`` (index-keyed)."""
         path = self.broadcast(str(path))
+        if self._options.save.verify_checkpoints:  # a checkpoint of ours (or any torch.save file): its checksums
+            integrity.verify(path, together=True)
         if isinstance(obj, nn.Module) and is_sharded_checkpoint(path):
             formats.load_sharded_model(obj, Path(path), strict=strict, key=_entry_of(obj, Path(path)))
             return

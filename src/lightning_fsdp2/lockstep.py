@@ -16,7 +16,12 @@ model; the ranks that did not come are then told by the launcher (or gloo) that 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+import functools
+import json
+import threading
+import time
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -74,3 +79,195 @@ def _checked(method: Any, check: Any, root: nn.Module) -> Any:
         return method(*args, **kwargs)
 
     return generate
+
+
+# ------------------------------------------------------------------------------------------ peers that moved on
+class PeerLostError(RuntimeError):
+    """A collective failed (timed out, or a peer's connection closed) because another rank did not take part:
+    the message names each rank's last phase."""
+
+
+_SAVING = ("lightning_module_state_dict", "optimizer_state", "save_checkpoint")
+_PHASES = {  # the strategy's methods, as a user knows them
+    "lightning_module_state_dict": "saving a checkpoint", "optimizer_state": "saving a checkpoint",
+    "save_checkpoint": "saving a checkpoint", "load_checkpoint": "loading a checkpoint",
+    "load_model_state_dict": "loading a checkpoint", "load_optimizer_state_dict": "loading a checkpoint",
+}
+
+
+class PeerWatch:
+    """Each rank's last phase (``training_step`` #5, ``backward``, saving a checkpoint, finished), published to the
+    process group's store every ``interval`` seconds by a thread; from the second training step on, the process
+    groups' timeout lowered to ``timeout`` (torchtitan's ``train_timeout_seconds``: the first step may compile and
+    warm up for longer); and a collective that fails inside a phase re-raised as :class:`PeerLostError`, naming what
+    the other ranks last published.
+
+    Why a store and a thread: a rank waiting in a collective cannot ask its peers anything through collectives, and
+    the peer that moved on is not in one. The store (rank 0's TCP server that set the processes up) answers whoever
+    still runs, and the thread keeps publishing while the main thread is blocked. The training step pays a few
+    attribute assignments per phase; the thread's one ``store.set`` a second runs outside the GIL."""
+
+    def __init__(self, timeout: float | None, interval: float = 1.0) -> None:
+        self.timeout, self.interval = timeout, interval
+        self._store: Any = None
+        self._phase: tuple[str, int] | None = None  # (method, its count): what this rank is doing now
+        self._counts: dict[str, int] = {}
+        self._saving = 0  # phases of a save entered and not left (the collectives of a save run in inner phases)
+        self._armed = False
+        self._groups: Callable[[], Sequence[Any]] = tuple
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    @property
+    def active(self) -> bool:
+        return self._store is not None
+
+    def start(self, groups: Callable[[], Sequence[Any]] = tuple) -> None:
+        """After the process group started, on every rank: publish ``setting up`` and start the thread. ``groups()``:
+        the process groups (besides the default one) whose timeout is lowered from the second step (the mesh's,
+        which ``device_mesh="auto"`` builds only with the model)."""
+        if self.timeout is None or not dist.is_initialized() or dist.get_world_size() == 1:
+            return
+        self._store = dist.PrefixStore("lightning_fsdp2/peers/", dist.distributed_c10d._get_default_store())
+        self._groups = groups
+        self._publish("setting up")
+        if self._thread is None or not self._thread.is_alive():
+            self._stop = threading.Event()
+            self._thread = threading.Thread(target=self._beat, name="lightning_fsdp2-peer-watch", daemon=True)
+            self._thread.start()
+
+    def stop(self, state: str) -> None:
+        """Publish ``state`` (``finished``, ``stopped by ValueError``) and stop the thread. Phases are still watched
+        (a save after ``fit``), and the peers' states still read, with this rank's last word left as ``state``."""
+        if not self.active:
+            return
+        self._stop.set()
+        self._phase = None
+        try:
+            self._publish(state)
+        except Exception:  # noqa: BLE001 - the store is gone (rank 0 exited): nobody is left to read it
+            pass
+
+    @contextmanager
+    def phase(self, method: str) -> Iterator[None]:
+        """Run the block as ``method`` (counted); a collective failing in it raises :class:`PeerLostError`."""
+        if not self.active:
+            yield
+            return
+        count = self._counts[method] = self._counts.get(method, 0) + 1
+        if method in ("training_step", "backward") and count == 2 and not self._armed:
+            self._arm()
+        outer, self._phase = self._phase, (method, count)
+        self._saving += method in _SAVING
+        try:
+            yield
+        except PeerLostError:
+            raise
+        except Exception as err:
+            if not _collective_failure(err):
+                raise
+            raise PeerLostError(self.report(err)) from err
+        finally:
+            self._phase = outer
+            self._saving -= method in _SAVING
+
+    def report(self, err: BaseException) -> str:
+        """What this rank was doing, what torch said, and what every other rank last published."""
+        rank, now = dist.get_rank(), time.time()
+        mine = self._describe(self._phase)
+        batch = self._batch()
+        peers, unreadable = {}, None
+        try:
+            keys = [str(r) for r in range(dist.get_world_size()) if r != rank]
+            for key in keys:
+                if self._store.check([key]):
+                    peers[int(key)] = json.loads(self._store.get(key))
+        except Exception as failure:  # noqa: BLE001 - rank 0 (the store's server) may be gone
+            unreadable = f"{type(failure).__name__}: {str(failure).strip()[:200]}"
+        seen = []
+        for peer, state in sorted(peers.items()):
+            ago = now - state["time"]
+            silent = ago > 10 * self.interval + 5 and not state["final"]
+            seen.append(f"rank {peer}: {state['phase'].rstrip('.')}" + (f" (not heard from for {ago:.0f} s: the process died, or"
+                                                              " hangs outside Python)" if silent else ""))
+        if unreadable:
+            seen.append(f"the other ranks' states could not be read: rank 0, whose store holds them, has probably"
+                        f" exited ({unreadable})")
+        hint = self._hint(batch, list(peers.values()))
+        bound = (f" after {self.timeout:g} s (FSDP2Strategy(peer_timeout=...))" if self._armed else "")
+        return (
+            f"Rank {rank} waited in a collective ({mine}), and it failed{bound}: another rank did not take part."
+            f" Last seen: {'; '.join(seen) or 'no other rank published its state'}. {hint} Torch reported:"
+            f" {str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__}"
+        )
+
+    def _hint(self, batch: int, theirs: list[dict]) -> str:
+        if self._saving and not all(t["saving"] for t in theirs):
+            return ("Every rank must call trainer.save_checkpoint (and fabric.save, lora.save_adapter): the shards"
+                    " come from all of them; on rank 0 alone, the others never send theirs.")
+        inside = self._phase is not None
+        if any(t["final"] or t["batch"] > batch or (t["batch"] == batch and inside and not t["inside"])
+               for t in theirs):
+            return ("A rank moved on without this step's collectives: every rank must run the same steps. An"
+                    " exception caught on some ranks only (a try/except in training_step or a callback), a"
+                    " training_step that returns None on some ranks only, or a different number of batches per rank"
+                    " does this. Let the exception propagate (then every rank stops), or skip a batch on every rank"
+                    " alike.")
+        return ("The ranks were at the same point: one is slow or stuck in its own code (not in a collective), or"
+                " its step takes longer than the bound: raise peer_timeout.")
+
+    def _arm(self) -> None:
+        self._armed = True
+        bound = timedelta(seconds=self.timeout)  # type: ignore[arg-type]
+        for group in [None, *self._groups()]:
+            dist.distributed_c10d._set_pg_timeout(bound, group)
+
+    def _batch(self) -> int:
+        """Training batches begun: ``training_step`` calls (the Trainer), else ``backward`` calls (Fabric)."""
+        return self._counts.get("training_step") or self._counts.get("backward", 0)
+
+    def _describe(self, phase: tuple[str, int] | None) -> str:
+        batch = self._batch()
+        at = f"training batch {batch}" if batch else "before training"
+        if phase is None:
+            return f"between steps ({at} done)" if batch else "setting up"
+        method, _ = phase
+        if self._saving and method not in _SAVING:
+            method = "save_checkpoint"  # a collective of the save (its broadcast, its gathers)
+        return f"{_PHASES.get(method, f'in {method}')} ({at})"
+
+    def _publish(self, state: str | None = None) -> None:
+        final = state is not None and state != "setting up"
+        text = json.dumps({"phase": state or self._describe(self._phase), "time": time.time(), "final": final,
+                           "batch": self._batch(), "inside": self._phase is not None,
+                           "saving": bool(self._saving)})
+        self._store.set(str(dist.get_rank()), text)
+
+    def _beat(self) -> None:
+        while not self._stop.wait(self.interval):
+            try:
+                if self._store is not None:
+                    self._publish()
+            except Exception:  # noqa: BLE001 - the store is gone (rank 0 exited): nothing left to tell
+                return
+
+
+def _collective_failure(err: BaseException) -> bool:
+    """Whether ``err`` is a collective that failed for want of a peer: torch's distributed errors, and gloo's and
+    NCCL's timeouts and closed connections (plain ``RuntimeError`` on gloo)."""
+    if isinstance(err, dist.DistError):
+        return True
+    text = str(err)
+    return isinstance(err, RuntimeError) and any(
+        word in text for word in ("Timed out", "Connection closed", "Connection reset", "gloo", "NCCL", "timeout"))
+
+
+def watched(method: Callable[..., Any]) -> Callable[..., Any]:
+    """A strategy method run as a :meth:`PeerWatch.phase` of its own name (the strategy's ``_peer_watch``)."""
+
+    @functools.wraps(method)
+    def run(self: Any, *args: Any, **kwargs: Any) -> Any:
+        with self._peer_watch.phase(method.__name__):
+            return method(self, *args, **kwargs)
+
+    return run

@@ -29,6 +29,7 @@ from lightning.pytorch import Callback, LightningModule, Trainer
 from torch import nn
 
 from lightning_fsdp2.checkpoint.files import (
+    CheckpointFileError,
     check_export_directory,
     export_into,
     on_rank0,
@@ -156,16 +157,60 @@ def save_merged(
     return directory
 
 
-def load_adapter(module: nn.Module, source: PretrainedSource, *, strict: bool = True) -> None:
+def load_adapter(
+    module: nn.Module, source: PretrainedSource, *, strict: bool = True, check_config: bool = True
+) -> None:
     """Start from saved peft adapters: declare that ``module``'s adapter weights come from ``source``.
 
     ``source`` is what :func:`save_adapter` (or peft's ``save_pretrained``) wrote, or its
     ``adapter_model.safetensors``. Call it in ``configure_model`` after ``get_peft_model`` (with the saved
-    ``PeftConfig.from_pretrained(source)``, which returns the saved ``LoraConfig``, ``IA3Config``, ...); like ``load_pretrained`` it is deferred on ``meta`` and each rank reads
-    only its slices. Every adapter parameter must be in ``source``; the base model's weights are not needed (load
-    them with ``load_pretrained``).
+    ``PeftConfig.from_pretrained(source)``, which returns the saved ``LoraConfig``, ``IA3Config``, ...); like
+    ``load_pretrained`` it is deferred on ``meta`` and each rank reads only its slices. Every adapter parameter must
+    be in ``source``; the base model's weights are not needed (load them with ``load_pretrained``).
+
+    The saved configuration is the right one, as for peft's ``PeftModel.from_pretrained``: the weights were trained
+    under its scaling. So where ``adapter_config.json`` beside them differs from the model's active adapter in what
+    the adapter computes (``lora_alpha``, ``r``, ``use_rslora``, ``use_dora``, the rank and alpha patterns, the
+    method), the load raises, naming both values; ``check_config=False`` loads the tensors into the model's
+    configuration as it is.
     """
+    if check_config:
+        _check_saved_config(module, source)
     declare_load(module, source, strict=strict, adapters_only=True)
+
+
+_COMPUTES = ("peft_type", "r", "lora_alpha", "use_rslora", "use_dora", "rank_pattern", "alpha_pattern",
+             "fan_in_fan_out", "lora_bias")
+"""Fields of a peft config that change what a loaded adapter computes (not only how it starts)."""
+
+
+def _check_saved_config(module: nn.Module, source: PretrainedSource) -> None:
+    """Raise if the adapter config saved beside ``source`` differs from ``module``'s active adapter's in
+    :data:`_COMPUTES` (no saved config, a state dict: nothing to compare)."""
+    if not isinstance(source, (str, os.PathLike)):
+        return
+    directory = Path(source) if Path(source).is_dir() else Path(source).parent
+    if not (directory / "adapter_config.json").is_file():
+        return
+    from peft import PeftConfig
+
+    try:
+        peft = find_peft_model(module)
+    except ValueError:
+        return  # declare_load names a model without adapters
+    saved = PeftConfig.from_pretrained(str(directory))
+    name = peft.active_adapter if isinstance(peft.active_adapter, str) else peft.active_adapters[0]
+    ours = peft.peft_config[name]
+    differ = [f"{field}={getattr(saved, field)!r} saved, {getattr(ours, field)!r} in the model" for field in _COMPUTES
+              if hasattr(saved, field) and hasattr(ours, field) and getattr(saved, field) != getattr(ours, field)]
+    if differ:
+        raise CheckpointFileError(
+            f"The adapter in {directory} was saved with another configuration than the model's adapter {name!r}: "
+            + "; ".join(differ) + ". Its weights were trained under the saved one, so loaded into this one they would"
+            " compute something else. Build the adapter from the saved configuration,"
+            f" get_peft_model(base, PeftConfig.from_pretrained({str(directory)!r})) (with inference_mode=False to"
+            " train it), or pass check_config=False to load the weights into the model's configuration anyway."
+        )
 
 
 def _write_directory(

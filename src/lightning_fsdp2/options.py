@@ -261,6 +261,25 @@ class ForwardCheckOptions:
 
 
 @dataclass(frozen=True)
+class PeerWatchOptions:
+    """Seconds a rank waits in a collective for a peer, from the second training step on (``None``: the process
+    group's ``timeout`` throughout, and no report of the peers' states)."""
+
+    timeout: float | None = 300.0
+
+    @classmethod
+    def from_arguments(cls, *, peer_timeout: float | None = 300.0) -> PeerWatchOptions:
+        if peer_timeout is not None and not (
+            isinstance(peer_timeout, (int, float)) and not isinstance(peer_timeout, bool) and peer_timeout > 0
+        ):
+            raise ValueError(
+                f"FSDP2Strategy(peer_timeout={peer_timeout!r}): seconds (> 0) a rank waits in a collective for a peer"
+                " before it raises, naming what each rank was doing; or None to wait for the process group's timeout."
+            )
+        return cls(peer_timeout)
+
+
+@dataclass(frozen=True)
 class InitOptions:
     """Whether the model is built on ``meta`` (each rank then allocates only its shards)."""
 
@@ -287,16 +306,20 @@ class ProcessGroupOptions:
 
 @dataclass(frozen=True)
 class SaveOptions:
-    """Checkpoints: one file or every rank's shards, trainable parameters only, written in the background."""
+    """Checkpoints: one file or every rank's shards, trainable parameters only, written in the background; their
+    checksums verified before a load."""
 
     state_dict_type: StateDictType = "full"
     save_trainable_only: bool = False
     async_save: bool = False
+    verify_checkpoints: bool = True
 
     @classmethod
     def from_arguments(
-        cls, *, state_dict_type: StateDictType = "full", save_trainable_only: bool = False, async_save: bool = False
+        cls, *, state_dict_type: StateDictType = "full", save_trainable_only: bool = False, async_save: bool = False,
+        verify_checkpoints: bool = True,
     ) -> SaveOptions:
+        _check_flag("verify_checkpoints", verify_checkpoints)
         if state_dict_type not in ("full", "sharded"):
             raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}.")
         if async_save and state_dict_type != "sharded":
@@ -304,7 +327,7 @@ class SaveOptions:
                 "FSDP2Strategy(async_save=True) writes sharded checkpoints in the background; a full checkpoint is"
                 " gathered to rank 0 while it is written. Pass state_dict_type='sharded' as well, or drop async_save."
             )
-        return cls(state_dict_type, save_trainable_only, async_save)
+        return cls(state_dict_type, save_trainable_only, async_save, verify_checkpoints)
 
     @property
     def sharded(self) -> bool:
@@ -321,6 +344,7 @@ _PARTS: dict[str, type] = {
     "prefetch": PrefetchOptions,
     "offload_activations": ActivationOffloadOptions,
     "forward_check": ForwardCheckOptions,
+    "peer_watch": PeerWatchOptions,
     "init": InitOptions,
     "process_group": ProcessGroupOptions,
     "save": SaveOptions,
@@ -339,6 +363,7 @@ class StrategyOptions:
     prefetch: PrefetchOptions = PrefetchOptions()
     offload_activations: ActivationOffloadOptions = ActivationOffloadOptions()
     forward_check: ForwardCheckOptions = ForwardCheckOptions()
+    peer_watch: PeerWatchOptions = PeerWatchOptions()
     init: InitOptions = InitOptions()
     process_group: ProcessGroupOptions = ProcessGroupOptions()
     save: SaveOptions = SaveOptions()

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Generator, Mapping
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
 from pathlib import Path
@@ -42,6 +42,7 @@ from lightning_fsdp2.checkpoint.files import remove as remove_checkpoint
 from lightning_fsdp2.checkpoint.module_load import install_optimizer_load_hook
 from lightning_fsdp2.checkpoint.plan import tied_aliases
 from lightning_fsdp2.checkpoint.stream import sharded_entries
+from lightning_fsdp2.lockstep import watched
 from lightning_fsdp2.options import StateDictType, StrategyOptions
 from lightning_fsdp2.parallel import Parallelized, check_not_rebuilt, no_gradient_sync
 from lightning_fsdp2.precision import FSDP2Precision
@@ -90,6 +91,12 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
             ``torch.no_grad()`` or in ``eval()`` mode) waits for every rank to run it too, then raises naming the
             cause, instead of hanging in its all-gathers until ``timeout`` (a forward on rank 0 alone, e.g. sampling
             on rank 0 only). Default 60; ``None`` turns the check off. Training forwards are not checked.
+        peer_timeout: seconds a rank waits in a collective for another rank, from the second training step on
+            (the first may compile and warm up for longer), then raises ``PeerLostError`` naming what each rank was
+            last doing (a rank that caught an exception and moved on, returned early, or is stuck in its own code;
+            a save called on some ranks only), instead of waiting for ``timeout``. Default 300; ``None``: the
+            process group's ``timeout`` throughout, no report. Each rank publishes its phase to the process
+            group's store once a second from a thread; the step itself pays nothing measurable.
         mixed_precision: an FSDP2 ``MixedPrecisionPolicy`` that overrides the one derived from
             ``Trainer(precision=...)``.
         reshard_after_forward: ``True`` frees gathered parameters after forward (least memory), ``False`` keeps
@@ -143,6 +150,10 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
             written, and the directory appears at its path when every rank is done. The next save (and the end of
             ``fit``) waits for the previous one; a save after ``fit`` returned is synchronous. Needs
             ``state_dict_type="sharded"``.
+        verify_checkpoints: before a checkpoint is loaded (``ckpt_path=``), check the CRC-32 of every piece of its
+            data against the checksums written with it (the ranks share the reading: one more read of its bytes in
+            all), and raise on every rank, naming the file and tensor, if any differs. Default ``True``; ``False``
+            loads without the check. Checkpoints written by others load as before.
     """
 
     strategy_name = "fsdp2"
@@ -168,6 +179,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         reshard_last_block: bool = True,
         offload_activations: bool = False,
         unmatched_forward_timeout: float | None = 60.0,
+        peer_timeout: float | None = 300.0,
         meta_init: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
@@ -175,6 +187,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         state_dict_type: StateDictType = "full",
         save_trainable_only: bool = False,
         async_save: bool = False,
+        verify_checkpoints: bool = True,
         accelerator: Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -305,7 +318,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
     # through its `__call__`, since Lightning calls `training_step`, not `forward`: the redirection does that.
     def _step(self, name: str, context: Any, *args: Any, **kwargs: Any) -> Any:
         module = self.lightning_module
-        with context:
+        with self._peer_watch.phase(name), context:
             if isinstance(module, FSDPModule):
                 return self._forward_redirection(module, module, name, *args, **kwargs)
             return getattr(module, name)(*args, **kwargs)
@@ -326,6 +339,16 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         """Run the module's ``predict_step``."""
         return self._step("predict_step", self.precision_plugin.predict_step_context(), *args, **kwargs)
 
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Lightning's backward (the gradients' reduce-scatters run in it), as a phase other ranks can see."""
+        with self._peer_watch.phase("backward"):
+            return super().backward(closure_loss, optimizer, *args, **kwargs)
+
+    def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        """Lightning's optimizer step (with automatic optimization the closure runs the training step in it)."""
+        with self._peer_watch.phase("optimizer_step"):
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
         """Skip the gradient reduce-scatter on micro-batches that only accumulate (``accumulate_grad_batches``)."""
@@ -340,8 +363,10 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         return self._reduce(tensor, group, reduce_op)
 
     def on_exception(self, exception: BaseException) -> None:
-        """After an error, teardown does not wait for a background save: the other ranks may never finish it."""
+        """After an error, teardown does not wait for a background save: the other ranks may never finish it; and the
+        other ranks, should they wait for this one, learn why it stopped."""
         self._failed = True
+        self._peer_watch.stop(f"stopped by {type(exception).__name__} ({str(exception).strip()[:100]}...)")
 
     def teardown(self) -> None:
         """Let a background save finish; release the cluster environment, checkpoint IO, precision plugin and
@@ -352,6 +377,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
             else:
                 self.wait_for_checkpoint()
         self._torn_down = True
+        self._peer_watch.stop("finished (its run ended)")
         assert self.cluster_environment is not None
         assert self.accelerator is not None
         self.cluster_environment.teardown()
@@ -360,18 +386,21 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         self.accelerator.teardown()
 
     # ---------------------------------------------------------------- checkpoints (checkpoint/formats.py)
+    @watched
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The model's state dict with clean names, as each rank's ``DTensor`` shards; a full save gathers them to
         rank 0 while it writes the file (so rank 0 never holds the whole model)."""
         assert self.model is not None
         return ckpt.model_state(self.model, trainable_only=self._trainable_only(self._parallelized))
 
+    @watched
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         """The optimizer's state as shards: index-keyed as a single device writes it (``"full"``) or name-keyed."""
         assert self.model is not None
         optimizer = getattr(optimizer, "_optimizer", optimizer)  # unwrap LightningOptimizer
         return ckpt.optimizer_state(self.model, optimizer, sharded=self._sharded)
 
+    @watched
     def save_checkpoint(
         self, checkpoint: dict[str, Any], filepath: str | Path, storage_options: Any | None = None
     ) -> None:
@@ -425,19 +454,23 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         else:  # the user's plugin wrote it, in its own format: it knows how to remove it
             self.checkpoint_io.remove_checkpoint(filepath)
 
+    @watched
     def load_checkpoint(self, checkpoint_path: str | Path, weights_only: bool | None = None) -> dict[str, Any]:
         """Read a checkpoint of either format (``weights_only=True`` unless you pass ``False``); its tensors stay
         on disk until :meth:`load_model_state_dict` and :meth:`load_optimizer_state_dict` copy them into shards."""
         self.wait_for_checkpoint()
         path = self.broadcast(str(checkpoint_path))
-        return ckpt.load(path, weights_only=weights_only, checkpoint_io=self.checkpoint_io)
+        return ckpt.load(path, weights_only=weights_only, checkpoint_io=self.checkpoint_io,
+                         verify=self._options.save.verify_checkpoints)
 
+    @watched
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         """Load the model's weights from a checkpoint of either format into the shards, at any world size."""
         assert self.model is not None
         initialized = self._parallelized.initialized if self._parallelized is not None else frozenset()
         ckpt.load_model(self.model, checkpoint, strict=strict, initialized=initialized)
 
+    @watched
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         """Load each optimizer's state into its sharded state, at any world size."""
         assert self.model is not None

@@ -122,7 +122,8 @@ def checkpoint_kind(path: str | os.PathLike) -> str | None:
 
 
 def _written_by_sharded_save(name: str) -> bool:
-    return name in (".metadata", META_FILENAME) or (name.startswith("__") and name.endswith(".distcp"))
+    # DCP's files (`__<rank>_<n>.distcp`), and each rank's checksums beside them (`__<rank>_crc32.json`, integrity.py).
+    return name in (".metadata", META_FILENAME) or (name.startswith("__") and name.endswith((".distcp", "_crc32.json")))
 
 
 def check_replaceable(path: str | os.PathLike) -> str:

@@ -19,7 +19,8 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_fsdp2.checkpoint.background import BackgroundWriter, is_rank0, swap_into_place
-from lightning_fsdp2.checkpoint import safe_dcp
+from lightning_fsdp2.checkpoint import integrity, safe_dcp
+from lightning_fsdp2.checkpoint.integrity import ChecksummedWriter
 from lightning_fsdp2.checkpoint.safe_dcp import check_sharded_files
 from lightning_fsdp2.checkpoint.files import (
     FORMAT_KEY,
@@ -151,7 +152,6 @@ def save_sharded(checkpoint: Mapping[str, Any], path: Path, *, background: Backg
     background thread; this returns at once, and ``background.wait()`` (on every rank) completes the save.
     """
     import torch.distributed.checkpoint as dcp
-    from torch.distributed.checkpoint import FileSystemWriter
 
     entries = sharded_entries(checkpoint)
     tensors = {"state_dict": checkpoint["state_dict"]} if "state_dict" in checkpoint else {}
@@ -178,7 +178,7 @@ def save_sharded(checkpoint: Mapping[str, Any], path: Path, *, background: Backg
         if is_rank0():
             delete(tmp)
         raise
-    writer = FileSystemWriter(tmp, overwrite=True)
+    writer = ChecksummedWriter(tmp, overwrite=True)  # DCP's writer, with a CRC-32 of each item as it is written
     if background is not None:
         background.start(tensors, writer, tmp, path)
         return
@@ -249,18 +249,24 @@ def _trainable_only_exemption(
 
 
 # =============================================================================================== resuming
-def load(path: str, *, weights_only: bool | None, checkpoint_io: Any) -> LoadedCheckpoint:
-    """Read a checkpoint of either format; tensors stay on disk (``mmap``) until loaded into the shards.
+def load(path: str, *, weights_only: bool | None, checkpoint_io: Any, verify: bool = True) -> LoadedCheckpoint:
+    """Read a checkpoint of either format; tensors stay on disk (``mmap``) until loaded into the shards. Call on
+    every rank.
 
     ``weights_only`` defaults to ``True``: nothing but tensors and plain containers is unpickled. A sharded
     checkpoint returns its ``meta.pt`` with placeholders: its tensors are read by :func:`load_model` and
-    :func:`load_optimizers`, straight into the shards.
+    :func:`load_optimizers`, straight into the shards. ``verify``: first check the checksums written with it
+    (:mod:`.integrity`; the ranks share the reading), raising on every rank if any data differs.
     """
     from lightning.fabric.plugins import TorchCheckpointIO
 
     weights_only = True if weights_only is None else weights_only
     if not is_local(path) or type(checkpoint_io) is not TorchCheckpointIO:
         return LoadedCheckpoint(checkpoint_io.load_checkpoint(path, weights_only=weights_only), str(path), False)
+    if verify:
+        if Path(path).is_dir():
+            check_sharded_files(Path(path))  # a short or missing file is named as such first
+        integrity.verify(path, together=True)
     if Path(path).is_dir():
         return LoadedCheckpoint(read_sharded_meta(Path(path), weights_only=weights_only), str(path), True)
     return LoadedCheckpoint(load_torch_file(path, weights_only=weights_only), str(path), False)
@@ -335,7 +341,8 @@ def load_full_state_dict(
     source = StateDictSource(state_dict, origin)
     plan = plan_load(module, source)
     missing = [n for n in plan.missing if not (may_be_missing and may_be_missing(n))]
-    _raise_if_misfit(module, origin, plan.mismatched, missing if strict else [], plan.unexpected if strict else [])
+    _raise_if_misfit(module, origin, plan.mismatched + plan.mistyped, missing if strict else [],
+                     plan.unexpected if strict else [])
     run_plan(module, source, plan)
 
 
@@ -421,7 +428,7 @@ def _raise_if_misfit(
 ) -> None:
     problems = []
     if mismatched:
-        problems.append("shapes differ: " + "; ".join(mismatched))
+        problems.append("shapes or types differ: " + "; ".join(mismatched))
     if missing:
         problems.append(f"{len(missing)} tensor(s) of the model are not in it: {listing(missing)}")
     if unexpected:

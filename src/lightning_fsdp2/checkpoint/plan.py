@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
+import torch
 from torch import Tensor, nn
 
 from lightning_fsdp2.checkpoint.shards import copy_into
@@ -49,6 +50,7 @@ class LoadPlan:
     missing: list[str] = field(default_factory=list)  # model tensors the source does not cover
     unexpected: list[str] = field(default_factory=list)  # source keys that fit nothing in the model
     mismatched: list[str] = field(default_factory=list)  # descriptions of shape mismatches
+    mistyped: list[str] = field(default_factory=list)  # descriptions of integer/bool <-> floating-point pairs
 
 
 def loadable_tensors(module: nn.Module) -> dict[str, list[str]]:
@@ -120,16 +122,30 @@ def plan_load(
             )
             continue
         plan.copies[name] = key
+        stored, wanted_dtype = source.dtype(key), tensors[name].dtype
+        if stored is not None and _is_float(stored) != _is_float(wanted_dtype):
+            plan.mistyped.append(f"{key!r} is {str(stored).removeprefix('torch.')} in {source.where(key)} but"
+                                 f" {name!r} is {str(wanted_dtype).removeprefix('torch.')} in the model")
     ignorable = {rename_target(n) for n, _ in module.named_buffers(remove_duplicate=False)}  # non-persistent ones
     plan.unexpected = [k for k in source.keys() if k not in used and rename_source(k) not in ignorable]
     return plan
 
 
-def run_plan(module: nn.Module, source: TensorSource, plan: LoadPlan) -> None:
-    """Copy every planned tensor's slice into ``module``, in file order."""
+def _is_float(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point or dtype.is_complex
+
+
+def run_plan(module: nn.Module, source: TensorSource, plan: LoadPlan) -> list[str]:
+    """Copy every planned tensor's slice into ``module``, in file order; return the names of the parameters whose
+    slice on this rank holds a NaN or an infinity (buffers may: a mask of ``-inf``)."""
     tensors: dict[str, Tensor] = dict(module.named_parameters()) | dict(module.named_buffers())
+    parameters = {name for name, _ in module.named_parameters()}
+    non_finite = []
     for name, key in sorted(plan.copies.items(), key=lambda item: source.where(item[1])):
-        copy_into(tensors[name], source, key)
+        local = copy_into(tensors[name], source, key)
+        if name in parameters and local is not None and _is_float(local.dtype) and not torch.isfinite(local).all():
+            non_finite.append(name)
+    return non_finite
 
 
 def listing(names: list[str], limit: int = 20) -> str:

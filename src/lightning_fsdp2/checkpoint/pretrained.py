@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_fsdp2.checkpoint.files import CheckpointFileError
 from lightning_fsdp2.checkpoint.module_load import load_through_model, uses_own_load_hooks
@@ -29,6 +30,8 @@ class _LoadCall:
     adapters_only: bool = False
     quantize: str | None = None
     skip: Sequence[str] = ()
+    allow_cast: bool = False
+    allow_non_finite: bool = False
 
 
 class DeferredLoads:
@@ -65,10 +68,11 @@ class DeferredLoads:
             source = source if call.adapters_only else with_conversions(call.module, source)
             # Unexpected keys were warned about when load_pretrained was called; once is enough.
             plan = check_pretrained(
-                call.module, source, strict=call.strict, warn=False, adapters_only=call.adapters_only
+                call.module, source, strict=call.strict, warn=False, adapters_only=call.adapters_only,
+                allow_cast=call.allow_cast,
             )
             nf4 = nf4_targets(call.module, list(plan.copies), call.skip) if call.quantize else []
-            loads.append(PlannedLoad(prefixes[id(call.module)], source, plan, nf4))
+            loads.append(PlannedLoad(prefixes[id(call.module)], source, plan, nf4, call.allow_non_finite))
         return PlannedLoads(loads)
 
 
@@ -82,6 +86,8 @@ def load_pretrained(
     strict: bool = True,
     quantize: str | None = None,
     skip: Sequence[str] = (),
+    allow_cast: bool = False,
+    allow_non_finite: bool = False,
 ) -> None:
     """Declare that ``module``'s initial weights come from ``source``; call it in ``configure_model``.
 
@@ -94,7 +100,10 @@ def load_pretrained(
     Names match whether ``module`` is wrapped by ``peft.get_peft_model`` before or after this call, and ``source``
     may hold a whole peft model's weights under peft's names, a base model's weights for a model with a head
     (``LlamaModel`` into ``LlamaForCausalLM``), or a Lightning checkpoint's. Values are cast to each parameter's
-    dtype; tied weights stay tied; adapter parameters that ``source`` does not hold keep their fresh
+    dtype (one floating-point type to another; an integer or bool tensor into a floating-point parameter, or the
+    reverse, is an error unless ``allow_cast``), and a parameter loaded with a NaN or an infinity in it is an error
+    unless ``allow_non_finite`` (a start no training recovers from; checked on each rank's slice as it is read, in
+    memory); tied weights stay tied; adapter parameters that ``source`` does not hold keep their fresh
     initialization, and so do persistent buffers it does not hold.
 
     Args:
@@ -110,12 +119,17 @@ def load_pretrained(
             frozen (train adapters on them with peft). Needs ``pip install lightning-fsdp2[qlora]``.
         skip: with ``quantize``, modules to leave unquantized: names, or endings of names (``"down_proj"``,
             ``"layers.0.mlp"``), as transformers' ``modules_to_not_convert``.
+        allow_cast: load integer or bool tensors into floating-point parameters (and the reverse), cast as
+            ``Tensor.copy_`` casts them, instead of raising.
+        allow_non_finite: load parameters holding NaN or infinite values as they are, instead of raising.
 
     Raises:
-        CheckpointFileError: listing missing or unexpected keys, or naming a key whose shapes differ.
+        CheckpointFileError: listing missing or unexpected keys, or naming a key whose shapes differ, whose
+            integer/bool and floating-point types differ, or whose values are not finite (on every rank).
     """
     check_quantize(quantize, skip)
-    declare_load(module, source, strict=strict, adapters_only=False, quantize=quantize, skip=tuple(skip))
+    declare_load(module, source, strict=strict, adapters_only=False, quantize=quantize, skip=tuple(skip),
+                 allow_cast=allow_cast, allow_non_finite=allow_non_finite)
 
 
 def declare_load(
@@ -126,6 +140,8 @@ def declare_load(
     adapters_only: bool,
     quantize: str | None = None,
     skip: Sequence[str] = (),
+    allow_cast: bool = False,
+    allow_non_finite: bool = False,
 ) -> None:
     """:func:`load_pretrained`, and with ``adapters_only`` the loading of saved peft adapters (``lora.load_adapter``):
     then the source must cover every adapter parameter and need not cover the base model."""
@@ -135,7 +151,8 @@ def declare_load(
     opened = raw if adapters_only else with_conversions(module, raw)
     deferred = any(p.is_meta for p in module.parameters())
     try:
-        plan = check_pretrained(module, opened, strict=strict, adapters_only=adapters_only, deferred=deferred)
+        plan = check_pretrained(module, opened, strict=strict, adapters_only=adapters_only, deferred=deferred,
+                                allow_cast=allow_cast)
     except CheckpointFileError:
         if deferred or adapters_only or quantize or not uses_own_load_hooks(module):
             raise
@@ -164,15 +181,24 @@ def declare_load(
                 " meta_init=True), or under `fabric.init_module()` with lightning_fsdp2.fabric.FSDP2Strategy. Build"
                 " the model for real to load at once."
             )
-        collector._loads.append(_LoadCall(module, source, strict, adapters_only, quantize, skip))
+        collector._loads.append(
+            _LoadCall(module, source, strict, adapters_only, quantize, skip, allow_cast, allow_non_finite))
         return
     nf4 = nf4_targets(module, list(plan.copies), skip) if quantize else []
     if nf4:  # built for real: quantized at once (the weights freeze now; peft freezes the base anyway)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
-        planned = PlannedLoads([PlannedLoad("", opened, plan, nf4)])
+        planned = PlannedLoads([PlannedLoad("", opened, plan, nf4, allow_non_finite)])
         planned.check_quantize(module, world, require_frozen=False)
         quantize_weights(planned.take_nf4(module))
-    run_plan(module, opened, plan)
+    non_finite = run_plan(module, opened, plan)
+    non_finite = [] if allow_non_finite else non_finite
+    sharded = any(isinstance(p, DTensor) for p in module.parameters())
+    # Into shards (Fabric's load after set-up) each rank checked its own slices: every rank learns of them all. Into
+    # whole tensors (one device, DDP) every rank read the same values.
+    by_rank = dict(enumerate(_every_rank([non_finite]) if sharded else [[non_finite]]))
+    by_rank = {rank: names[0] for rank, names in by_rank.items() if names[0]}
+    if by_rank:
+        raise CheckpointFileError(_non_finite_message(type(module).__name__, opened, plan, by_rank))
 
 
 def check_pretrained(
@@ -183,6 +209,7 @@ def check_pretrained(
     warn: bool = True,
     adapters_only: bool = False,
     deferred: bool = False,
+    allow_cast: bool = False,
 ) -> LoadPlan:
     """Plan loading ``source`` into ``module`` by canonical (peft-agnostic) names; raise or warn on misfits.
 
@@ -235,6 +262,13 @@ def check_pretrained(
     problems = []
     if plan.mismatched:
         problems.append("shapes differ: " + "; ".join(plan.mismatched))
+    if plan.mistyped and not allow_cast:
+        problems.append(
+            "integer or bool values would be cast into floating-point tensors, or the reverse: "
+            + "; ".join(plan.mistyped[:10]) + (f" and {len(plan.mistyped) - 10} more" if len(plan.mistyped) > 10 else "")
+            + " (the source's values would not survive the cast: check that it holds weights; pass allow_cast=True"
+            " to load them cast)"
+        )
     if missing:
         problems.append(f"{len(missing)} parameter(s) of the model are not in the source: {listing(missing)}")
     if plan.unexpected and strict:
@@ -286,6 +320,7 @@ class PlannedLoad:
     source: TensorSource
     plan: LoadPlan
     nf4: list[str]
+    allow_non_finite: bool = False
 
 
 @dataclass
@@ -331,6 +366,38 @@ class PlannedLoads:
         return taken
 
     def run(self, root: nn.Module) -> None:
-        """Read each rank's slices into its materialized shards."""
+        """Read each rank's slices into its materialized shards; then, on every rank together, raise if any rank read
+        a NaN or an infinity into a parameter (unless that load allows it). Call on every rank."""
+        found: list[tuple[PlannedLoad, list[str]]] = []
         for load in self.loads:
-            run_plan(root.get_submodule(load.prefix), load.source, load.plan)
+            non_finite = run_plan(root.get_submodule(load.prefix), load.source, load.plan)
+            found.append((load, [] if load.allow_non_finite else non_finite))
+        if not self.loads:
+            return
+        every = _every_rank([names for _, names in found])
+        for i, (load, _) in enumerate(found):
+            by_rank = {rank: names[i] for rank, names in enumerate(every) if names[i]}
+            if by_rank:
+                where = type(root.get_submodule(load.prefix)).__name__
+                raise CheckpointFileError(_non_finite_message(where, load.source, load.plan, by_rank))
+
+
+def _every_rank(mine: list[list[str]]) -> list[list[list[str]]]:
+    """Every rank's ``mine``, in rank order (a small collective; just ``[mine]`` without a process group)."""
+    if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
+        return [mine]
+    every: list = [None] * torch.distributed.get_world_size()
+    torch.distributed.all_gather_object(every, mine)
+    return every
+
+
+def _non_finite_message(model: str, source: TensorSource, plan: LoadPlan, by_rank: dict[int, list[str]]) -> str:
+    names = sorted({n for names in by_rank.values() for n in names})
+    shown = "; ".join(f"{n!r} (from {plan.copies[n]!r} in {source.where(plan.copies[n])})" for n in names[:5])
+    ranks = ", ".join(str(r) for r in sorted(by_rank))
+    return (
+        f"Loaded NaN or infinite values into {len(names)} parameter(s) of {model}: {shown}"
+        + (f" and {len(names) - 5} more" if len(names) > 5 else "")
+        + f" (found by rank(s) {ranks} in their slices). Training from them gives NaN losses: the file is damaged or"
+        " was saved after a diverged step. Load another checkpoint, or pass allow_non_finite=True to load it as it is."
+    )

@@ -21,14 +21,16 @@ __all__ = ["copy_into", "drain_tensor", "gather_tensor", "gather_tensor_into", "
 
 
 @torch.no_grad()
-def copy_into(tensor: Tensor, source: TensorSource, key: str) -> None:
-    """Copy this rank's slice of ``source[key]`` into ``tensor``'s local storage, cast to its dtype."""
+def copy_into(tensor: Tensor, source: TensorSource, key: str) -> Tensor | None:
+    """Copy this rank's slice of ``source[key]`` into ``tensor``'s local storage, cast to its dtype; return that
+    local storage (``None`` where this rank holds none of it)."""
     from torch.distributed.tensor import DTensor
 
     local = tensor.to_local() if isinstance(tensor, DTensor) else tensor
     if local.numel() == 0 and tensor.numel() != 0:
-        return  # this rank's shard of a small tensor is empty
+        return None  # this rank's shard of a small tensor is empty
     local.copy_(source.read(key, local_slice(tensor)))
+    return local
 
 
 def gather_to_rank0(state: Any, same_as: Mapping[str, str] | None = None) -> Any:

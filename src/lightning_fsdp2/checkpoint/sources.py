@@ -8,12 +8,22 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Protocol, Union
 
+import torch
 from torch import Tensor
 
 from lightning_fsdp2.checkpoint.files import CheckpointFileError, load_torch_file, missing_checkpoint, reading
 
 PretrainedSource = Union[str, os.PathLike, Mapping[str, Tensor]]
 """A Hugging Face model directory, a ``.safetensors``/``.bin``/``.pt``/``.ckpt`` file, or a state dict."""
+
+
+_SAFETENSORS_DTYPES = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2, "I64": torch.int64, "I32": torch.int32,
+    "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8, "U16": torch.uint16, "U32": torch.uint32,
+    "U64": torch.uint64, "BOOL": torch.bool, "C64": torch.complex64,
+}
+"""safetensors' header dtype names (``get_slice(key).get_dtype()``) as torch dtypes."""
 
 
 class TensorSource(Protocol):
@@ -25,6 +35,10 @@ class TensorSource(Protocol):
 
     def shape(self, key: str) -> tuple[int, ...]:
         """The whole tensor's shape."""
+        ...
+
+    def dtype(self, key: str) -> torch.dtype | None:
+        """The stored dtype (``None`` where the file's type has no torch equivalent)."""
         ...
 
     def read(self, key: str, index: tuple[slice, ...]) -> Tensor:
@@ -51,6 +65,10 @@ class StateDictSource:
         """The whole tensor's shape."""
         return tuple(self._tensors[key].shape)
 
+    def dtype(self, key: str) -> torch.dtype | None:
+        """The tensor's dtype."""
+        return self._tensors[key].dtype
+
     def read(self, key: str, index: tuple[slice, ...]) -> Tensor:
         """A view of ``tensor[index]``; the copy into a shard reads only its pages."""
         return self._tensors[key][index]
@@ -73,6 +91,7 @@ class SafetensorsSource:
 
         self._files = files  # key -> file
         self._shapes: dict[str, tuple[int, ...]] = {}
+        self._dtypes: dict[str, str] = {}
         for path in sorted(set(files.values())):
             with reading(path), safe_open(str(path), framework="pt") as f:
                 names = set(f.keys())
@@ -80,7 +99,9 @@ class SafetensorsSource:
                     if where == path:
                         if key not in names:
                             raise CheckpointFileError(f"{path} does not hold {key!r}, which its index says it does.")
-                        self._shapes[key] = tuple(f.get_slice(key).get_shape())
+                        piece = f.get_slice(key)
+                        self._shapes[key] = tuple(piece.get_shape())
+                        self._dtypes[key] = piece.get_dtype()
 
     def keys(self) -> list[str]:
         """The tensor names."""
@@ -89,6 +110,10 @@ class SafetensorsSource:
     def shape(self, key: str) -> tuple[int, ...]:
         """The whole tensor's shape, from the file's header."""
         return self._shapes[key]
+
+    def dtype(self, key: str) -> torch.dtype | None:
+        """The stored dtype, from the file's header."""
+        return _SAFETENSORS_DTYPES.get(self._dtypes[key])
 
     def read(self, key: str, index: tuple[slice, ...]) -> Tensor:
         """``tensor[index]`` through safetensors ``get_slice``: only those bytes are read from the file."""
@@ -246,6 +271,12 @@ class ConvertedSource:
         """The converted tensor's shape."""
         return self._shapes[key]
 
+    def dtype(self, key: str) -> torch.dtype | None:
+        """The converted tensor's dtype (of a fused one, what the converter's operations make of the stored ones)."""
+        if key in self._renamed:
+            return self._source.dtype(self._renamed[key])
+        return self._build(key, meta=True).dtype
+
     def read(self, key: str, index: tuple[slice, ...]) -> Tensor:
         """``tensor[index]``: a slice of a renamed tensor; of a fused tensor, built from the experts in the slice
         when the fusion stacks experts along dim 0 (FSDP2 shards dim 0, so a rank reads only its experts), else built
@@ -280,8 +311,6 @@ class ConvertedSource:
     def _build(self, target: str, meta: bool = False, experts: slice | None = None) -> Tensor:
         import copy
 
-        import torch
-
         converter, parts = self._fused[target]
         if experts is not None:  # of each pattern's tensors (one per expert, in expert order), those in the slice
             by_pattern: dict[str, list[tuple[str, str]]] = {}
@@ -295,7 +324,7 @@ class ConvertedSource:
         def reader(key: str) -> Any:
             shape = self._source.shape(key)
             if meta:
-                return lambda: torch.empty(shape, device="meta")
+                return lambda: torch.empty(shape, device="meta", dtype=self._source.dtype(key) or torch.float32)
             return lambda: self._source.read(key, tuple(slice(0, n) for n in shape))
 
         for pattern, key in parts:
