@@ -162,7 +162,7 @@ def test_a_rank_stuck_in_its_own_code_is_named_within_the_bound(tmp_path: Path) 
     rank0, rank1 = _outcomes(tmp_path)
     assert rank0["type"] == "PeerLostError", rank0
     assert "Rank 0 waited in a collective (in training_step (training batch 3))" in rank0["error"], rank0["error"]
-    assert "after 5 s (FSDP2Strategy(peer_timeout=...))" in rank0["error"]
+    assert "(the bound: 5 s, FSDP2Strategy(peer_timeout=...))" in rank0["error"]
     assert "rank 1: in training_step (training batch 3)" in rank0["error"]
     assert "stuck in its own code" in rank0["error"]
     assert rank0["elapsed"] <= 4 * BOUND, rank0  # the bound after a few quick steps, not rank 1's sleep
@@ -192,3 +192,14 @@ def test_a_save_on_rank_0_alone_says_every_rank_must_call_it(tmp_path: Path) -> 
     assert "rank 1: finished (its run ended)" in rank0["error"]
     assert rank0["elapsed"] <= 2 * BOUND + 10, rank0
     assert not list(tmp_path.glob("model.ckpt*")), "nothing left behind"
+
+
+def test_the_strategy_still_pickles_for_spawn() -> None:
+    """Lightning's spawn launcher pickles the strategy: the watch's thread, event and store are not part of it."""
+    import pickle
+
+    from lightning_fsdp2 import FSDP2Strategy
+    from lightning_fsdp2.lockstep import PeerWatch
+
+    strategy = pickle.loads(pickle.dumps(FSDP2Strategy(peer_timeout=7)))
+    assert isinstance(strategy._peer_watch, PeerWatch) and strategy._peer_watch.timeout == 7

@@ -65,7 +65,8 @@ class FrontEndCore:
         self._auto_layout: AutoLayout | None = None  # device_mesh="auto": the request, until a model is set up
         self._layout_choice: LayoutChoice | None = None  # ... and what it chose
         self._deferred = DeferredLoads()  # load_pretrained calls made while the model is built, run after sharding
-        self._peer_watch = PeerWatch(options.peer_watch.timeout)  # each rank's phase, for a peer left waiting
+        # Each rank's phase, for a peer left waiting; the process group's own timeout comes back at each start.
+        self._peer_watch = PeerWatch(options.peer_watch.timeout, options.process_group.timeout)
 
     @property
     def _sharded(self) -> bool:

@@ -107,46 +107,69 @@ class PeerWatch:
     still runs, and the thread keeps publishing while the main thread is blocked. The training step pays a few
     attribute assignments per phase; the thread's one ``store.set`` a second runs outside the GIL."""
 
-    def __init__(self, timeout: float | None, interval: float = 1.0) -> None:
+    def __init__(self, timeout: float | None, base_timeout: timedelta | None = None, interval: float = 1.0) -> None:
         self.timeout, self.interval = timeout, interval
+        self._base = base_timeout  # the process group's own timeout (FSDP2Strategy(timeout=...)): restored by start()
         self._store: Any = None
         self._phase: tuple[str, int] | None = None  # (method, its count): what this rank is doing now
+        self._since = time.monotonic()  # when the current phase began
         self._counts: dict[str, int] = {}
         self._saving = 0  # phases of a save entered and not left (the collectives of a save run in inner phases)
         self._armed = False
+        self._final: str | None = None  # this rank's last word (finished, stopped by ...) once published
         self._groups: Callable[[], Sequence[Any]] = tuple
-        self._stop = threading.Event()
+        self._stop: threading.Event | None = None  # made by start(): neither it nor the thread is pickled
         self._thread: threading.Thread | None = None
+
+    def __getstate__(self) -> dict[str, Any]:
+        # The strategy is pickled by Lightning's spawn launcher before any process group exists: nothing live goes.
+        state = dict(self.__dict__)
+        state.update(_store=None, _stop=None, _thread=None, _groups=tuple)
+        return state
 
     @property
     def active(self) -> bool:
         return self._store is not None
 
     def start(self, groups: Callable[[], Sequence[Any]] = tuple) -> None:
-        """After the process group started, on every rank: publish ``setting up`` and start the thread. ``groups()``:
-        the process groups (besides the default one) whose timeout is lowered from the second step (the mesh's,
-        which ``device_mesh="auto"`` builds only with the model)."""
+        """After the process group started (each ``fit``/``validate``), on every rank: the process group's own
+        timeout back on the default group, ``setting up`` published, a fresh thread. ``groups()``: the process groups
+        (besides the default one) whose timeout is lowered from the second step (the mesh's, which
+        ``device_mesh="auto"`` builds only with the model)."""
         if self.timeout is None or not dist.is_initialized() or dist.get_world_size() == 1:
             return
+        self._halt()
+        if self._base is not None:  # a previous run in this process may have lowered it
+            dist.distributed_c10d._set_pg_timeout(self._base, None)
         self._store = dist.PrefixStore("lightning_fsdp2/peers/", dist.distributed_c10d._get_default_store())
-        self._groups = groups
+        self._groups, self._counts, self._armed, self._final, self._phase = groups, {}, False, None, None
         self._publish("setting up")
-        if self._thread is None or not self._thread.is_alive():
-            self._stop = threading.Event()
-            self._thread = threading.Thread(target=self._beat, name="lightning_fsdp2-peer-watch", daemon=True)
-            self._thread.start()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._beat, args=(self._stop,), name="lightning_fsdp2-peer-watch",
+                                        daemon=True)
+        self._thread.start()
 
     def stop(self, state: str) -> None:
-        """Publish ``state`` (``finished``, ``stopped by ValueError``) and stop the thread. Phases are still watched
-        (a save after ``fit``), and the peers' states still read, with this rank's last word left as ``state``."""
-        if not self.active:
+        """Publish ``state`` (``finished``, ``stopped by ValueError``) as this rank's last word, unless one is
+        published already (a failed run's teardown does not overwrite why it failed), and stop the thread. Phases
+        are still watched (a save after ``fit``: the lowered timeout stays until the next start), and the peers'
+        states still read."""
+        if not self.active or self._final is not None:
             return
-        self._stop.set()
-        self._phase = None
+        self._halt()
+        self._final, self._phase = state, None
         try:
             self._publish(state)
         except Exception:  # noqa: BLE001 - the store is gone (rank 0 exited): nobody is left to read it
             pass
+
+    def _halt(self) -> None:
+        """Stop the thread and wait for it, so that it publishes nothing after the state published next."""
+        if self._stop is not None:
+            self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=5 * self.interval)
+        self._stop = self._thread = None
 
     @contextmanager
     def phase(self, method: str) -> Iterator[None]:
@@ -157,7 +180,7 @@ class PeerWatch:
         count = self._counts[method] = self._counts.get(method, 0) + 1
         if method in ("training_step", "backward") and count == 2 and not self._armed:
             self._arm()
-        outer, self._phase = self._phase, (method, count)
+        (outer, since), self._phase, self._since = (self._phase, self._since), (method, count), time.monotonic()
         self._saving += method in _SAVING
         try:
             yield
@@ -168,44 +191,46 @@ class PeerWatch:
                 raise
             raise PeerLostError(self.report(err)) from err
         finally:
-            self._phase = outer
+            self._phase, self._since = outer, since
             self._saving -= method in _SAVING
 
     def report(self, err: BaseException) -> str:
         """What this rank was doing, what torch said, and what every other rank last published."""
-        rank, now = dist.get_rank(), time.time()
+        rank, now, waited = dist.get_rank(), time.time(), time.monotonic() - self._since
         mine = self._describe(self._phase)
-        batch = self._batch()
         peers, unreadable = {}, None
         try:
             keys = [str(r) for r in range(dist.get_world_size()) if r != rank]
-            for key in keys:
-                if self._store.check([key]):
-                    peers[int(key)] = json.loads(self._store.get(key))
+            present = [k for k in keys if self._store.check([k])]
+            for key, value in zip(present, self._store.multi_get(present) if present else []):
+                peers[int(key)] = json.loads(value)
         except Exception as failure:  # noqa: BLE001 - rank 0 (the store's server) may be gone
             unreadable = f"{type(failure).__name__}: {str(failure).strip()[:200]}"
         seen = []
         for peer, state in sorted(peers.items()):
             ago = now - state["time"]
             silent = ago > 10 * self.interval + 5 and not state["final"]
-            seen.append(f"rank {peer}: {state['phase'].rstrip('.')}" + (f" (not heard from for {ago:.0f} s: the process died, or"
-                                                              " hangs outside Python)" if silent else ""))
+            seen.append(f"rank {peer}: {state['phase'].rstrip('.')}" + (
+                f" (not heard from for {ago:.0f} s: the process died, or hangs outside Python)" if silent else ""))
         if unreadable:
             seen.append(f"the other ranks' states could not be read: rank 0, whose store holds them, has probably"
                         f" exited ({unreadable})")
-        hint = self._hint(batch, list(peers.values()))
-        bound = (f" after {self.timeout:g} s (FSDP2Strategy(peer_timeout=...))" if self._armed else "")
+        hint = self._hint(list(peers.values()), unreadable is not None)
+        bound = (f" (the bound: {self._bound():g} s, FSDP2Strategy(peer_timeout=...))" if self._armed else "")
         return (
-            f"Rank {rank} waited in a collective ({mine}), and it failed{bound}: another rank did not take part."
-            f" Last seen: {'; '.join(seen) or 'no other rank published its state'}. {hint} Torch reported:"
-            f" {str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__}"
+            f"Rank {rank} waited in a collective ({mine}), and it failed {waited:.0f} s into it{bound}: another rank did"
+            f" not take part. Last seen: {'; '.join(seen) or 'no other rank published its state'}. {hint} Torch"
+            f" reported: {str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__}"
         )
 
-    def _hint(self, batch: int, theirs: list[dict]) -> str:
+    def _hint(self, theirs: list[dict], unreadable: bool) -> str:
+        failed = [t for t in theirs if t["final"] and t["phase"].startswith("stopped by")]
+        if failed or unreadable:
+            return "Another rank stopped with an error: its own message (in its log) is the cause."
         if self._saving and not all(t["saving"] for t in theirs):
-            return ("Every rank must call trainer.save_checkpoint (and fabric.save, lora.save_adapter): the shards"
-                    " come from all of them; on rank 0 alone, the others never send theirs.")
-        inside = self._phase is not None
+            return ("Every rank must call trainer.save_checkpoint (and fabric.save): the shards come from all of them;"
+                    " on rank 0 alone, the others never send theirs.")
+        batch, inside = self._batch(), self._phase is not None
         if any(t["final"] or t["batch"] > batch or (t["batch"] == batch and inside and not t["inside"])
                for t in theirs):
             return ("A rank moved on without this step's collectives: every rank must run the same steps. An"
@@ -216,9 +241,14 @@ class PeerWatch:
         return ("The ranks were at the same point: one is slow or stuck in its own code (not in a collective), or"
                 " its step takes longer than the bound: raise peer_timeout.")
 
+    def _bound(self) -> float:
+        """The lowered timeout: ``peer_timeout``, or the process group's own where that is shorter."""
+        base = self._base.total_seconds() if self._base is not None else float("inf")
+        return min(self.timeout, base)  # type: ignore[type-var]
+
     def _arm(self) -> None:
         self._armed = True
-        bound = timedelta(seconds=self.timeout)  # type: ignore[arg-type]
+        bound = timedelta(seconds=self._bound())
         for group in [None, *self._groups()]:
             dist.distributed_c10d._set_pg_timeout(bound, group)
 
@@ -243,11 +273,10 @@ class PeerWatch:
                            "saving": bool(self._saving)})
         self._store.set(str(dist.get_rank()), text)
 
-    def _beat(self) -> None:
-        while not self._stop.wait(self.interval):
+    def _beat(self, stop: threading.Event) -> None:
+        while not stop.wait(self.interval):
             try:
-                if self._store is not None:
-                    self._publish()
+                self._publish()
             except Exception:  # noqa: BLE001 - the store is gone (rank 0 exited): nothing left to tell
                 return
 
@@ -271,3 +300,35 @@ def watched(method: Callable[..., Any]) -> Callable[..., Any]:
             return method(self, *args, **kwargs)
 
     return run
+
+
+@contextmanager
+def every_rank_calls(what: str) -> Iterator[None]:
+    """For functions outside the strategy that gather from every rank (``lora.save_adapter``): a collective that
+    fails in the block raises :class:`PeerLostError` saying that every rank must call ``what``."""
+    try:
+        yield
+    except PeerLostError:
+        raise
+    except Exception as err:
+        if not _collective_failure(err):
+            raise
+        raise PeerLostError(
+            f"{what} failed in a collective on rank {dist.get_rank()}: another rank did not take part. Every rank must"
+            f" call {what}: each holds a share of the tensors (rank 0 alone writes the files). Torch reported:"
+            f" {str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__}"
+        ) from err
+
+
+def called_by_every_rank(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Decorate a function that gathers from every rank with :func:`every_rank_calls`."""
+
+    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
+        @functools.wraps(fn)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with every_rank_calls(what):
+                return fn(*args, **kwargs)
+
+        return run
+
+    return decorate

@@ -39,6 +39,7 @@ from lightning_fsdp2.checkpoint.plan import tied_aliases
 from lightning_fsdp2.checkpoint.pretrained import declare_load
 from lightning_fsdp2.checkpoint.shards import gather_to_rank0
 from lightning_fsdp2.checkpoint.sources import PretrainedSource
+from lightning_fsdp2.lockstep import called_by_every_rank
 from lightning_fsdp2.quantize import Dequantizing
 from lightning_fsdp2.peft_support import peft_state_dict
 
@@ -58,6 +59,7 @@ def find_peft_model(module: nn.Module) -> Any:
     )
 
 
+@called_by_every_rank("lora.save_adapter")
 def save_adapter(module: nn.Module, directory: str | os.PathLike, *, adapter_name: str = "default") -> Path:
     """Write the peft adapter ``adapter_name`` of ``module`` in peft's format; call on every rank.
 
@@ -110,6 +112,7 @@ def save_adapter(module: nn.Module, directory: str | os.PathLike, *, adapter_nam
     return directory
 
 
+@called_by_every_rank("lora.save_merged")
 def save_merged(
     module: nn.Module,
     directory: str | os.PathLike,

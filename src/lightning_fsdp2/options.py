@@ -270,7 +270,8 @@ class PeerWatchOptions:
     @classmethod
     def from_arguments(cls, *, peer_timeout: float | None = 300.0) -> PeerWatchOptions:
         if peer_timeout is not None and not (
-            isinstance(peer_timeout, (int, float)) and not isinstance(peer_timeout, bool) and peer_timeout > 0
+            isinstance(peer_timeout, (int, float)) and not isinstance(peer_timeout, bool)
+            and 0 < peer_timeout < float("inf")
         ):
             raise ValueError(
                 f"FSDP2Strategy(peer_timeout={peer_timeout!r}): seconds (> 0) a rank waits in a collective for a peer"

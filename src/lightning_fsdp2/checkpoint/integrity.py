@@ -37,7 +37,7 @@ import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 from torch.distributed.checkpoint.filesystem import FileSystem
 
-from lightning_fsdp2.checkpoint.files import CheckpointFileError
+from lightning_fsdp2.checkpoint.files import META_FILENAME, CheckpointFileError
 from lightning_fsdp2.checkpoint.safe_dcp import read_dcp_metadata
 
 SIDECAR = "crc32.json"
@@ -57,6 +57,8 @@ class _Digesting:
 
     def tell(self) -> int:
         offset = self._stream.tell()
+        if self.blocks is None:
+            return offset
         if not self.blocks or self.blocks[-1][1]:  # a new block, unless the last one is still empty
             self.blocks.append([offset, 0, 0])
         else:
@@ -65,12 +67,22 @@ class _Digesting:
 
     def write(self, data: Any) -> int:
         view = memoryview(data).cast("B")
+        if self.blocks is None:
+            return self._stream.write(view)
         if not self.blocks:
             self.blocks.append([self._stream.tell(), 0, 0])
         block = self.blocks[-1]
         block[1] += len(view)
         block[2] = zlib.crc32(view, block[2])
         return self._stream.write(view)
+
+    def seek(self, *args: Any) -> int:
+        self.blocks = None  # type: ignore[assignment] # a writer that goes back: no checksums for this file
+        return self._stream.seek(*args)
+
+    def truncate(self, *args: Any) -> int:
+        self.blocks = None  # type: ignore[assignment]
+        return self._stream.truncate(*args)
 
     def __getattr__(self, name: str) -> Any:  # fileno, flush, close, writable...: the file's own
         return getattr(self._stream, name)
@@ -92,8 +104,9 @@ class _DigestingFileSystem(FileSystem):
                 return
             digesting = _Digesting(stream)
             yield digesting
-        with self._lock:
-            self.digests[Path(path).name] = [b for b in digesting.blocks if b[1]]
+        if digesting.blocks is not None:
+            with self._lock:
+                self.digests[Path(path).name] = [b for b in digesting.blocks if b[1]]
 
 
 class ChecksummedWriter(FileSystemWriter):
@@ -109,15 +122,10 @@ class ChecksummedWriter(FileSystemWriter):
         files = {name: blocks for name, blocks in self.fs.digests.items() if name.startswith(plan.storage_data.prefix)}
         sidecar = Path(self.path) / f"{plan.storage_data.prefix}{SIDECAR}"
         with open(sidecar, "w") as f:
-            json.dump({"algorithm": "crc32", "files": files}, f)
+            json.dump({"algorithm": "crc32", "save_id": self.save_id, "files": files}, f)
             f.flush()
             os.fsync(f.fileno())
         return written
-
-
-def is_sidecar(name: str) -> bool:
-    """Whether a file name in a sharded checkpoint is one of our checksum files."""
-    return name.startswith("__") and name.endswith(f"_{SIDECAR}")
 
 
 # ------------------------------------------------------------------------------------------------ verifying
@@ -128,12 +136,17 @@ def verify(path: str | os.PathLike, *, together: bool) -> None:
     path = Path(path)
     rank, world = (dist.get_rank(), dist.get_world_size()) if together and dist.is_initialized() else (0, 1)
     if path.is_dir():
-        pieces = _sharded_pieces(path)
+        pieces = _sharded_pieces(path) + _archive_pieces(path / META_FILENAME)  # meta.pt: a torch.save archive
     elif path.is_file() and zipfile.is_zipfile(path):
         pieces = _archive_pieces(path)
     else:
         return
-    found = [problem for check in _shares(pieces, world)[rank][1] for problem in check()]
+    found = []
+    for check in _shares(pieces, world)[rank][1]:
+        try:  # whatever this rank meets, the others hear of it in the gather below (none waits for it)
+            found += check()
+        except Exception as err:  # noqa: BLE001
+            found.append(f"{type(err).__name__}: {err}")
     everyone = [found]
     if world > 1:
         everyone = [None] * world  # type: ignore[list-item]
@@ -144,7 +157,8 @@ def verify(path: str | os.PathLike, *, together: bool) -> None:
             f"The checkpoint {path} is damaged: its data does not match the checksums written with it: "
             + "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
             + ". Nothing was loaded. Restore it from a copy, or resume from another checkpoint (the storage may be"
-            " failing); to load it anyway, turn verification off (FSDP2Strategy(verify_checkpoints=False))."
+            " failing); to load it anyway, turn verification off (FSDP2Strategy(verify_checkpoints=False);"
+            " lightning-fsdp2-convert --no-verify; read_full_checkpoint(..., verify=False))."
         )
 
 
@@ -153,11 +167,12 @@ Check = Callable[[], list[str]]
 
 def _shares(pieces: list[tuple[int, Check]], world: int) -> list[tuple[int, list[Check]]]:
     """The pieces split over ``world`` ranks, largest first to the least loaded (the same split on every rank)."""
-    shares: list[tuple[int, list[Check]]] = [(0, []) for _ in range(world)]
+    loads, shares = [0] * world, [[] for _ in range(world)]  # type: ignore[var-annotated]
     for size, check in sorted(pieces, key=lambda p: -p[0]):
-        i = min(range(world), key=lambda r: shares[r][0])
-        shares[i] = (shares[i][0] + size, shares[i][1] + [check])
-    return shares
+        i = min(range(world), key=loads.__getitem__)
+        loads[i] += size
+        shares[i].append(check)
+    return list(zip(loads, shares))
 
 
 def _archive_pieces(path: Path) -> list[tuple[int, Check]]:
@@ -169,14 +184,21 @@ def _archive_pieces(path: Path) -> list[tuple[int, Check]]:
         return []  # not readable as an archive: torch.load names the damage
     if not any(info.CRC for info in infos):
         return []  # written without CRC-32s (torch's compute_crc32 off)
+    opened: dict[str, Any] = {}  # this rank's one open archive, and the records' names once one is damaged
 
     def check(info: zipfile.ZipInfo) -> list[str]:
         try:
-            with zipfile.ZipFile(path) as archive, archive.open(info) as record:
+            if "archive" not in opened:
+                opened["archive"] = zipfile.ZipFile(path)
+            with opened["archive"].open(info) as record:
                 while record.read(CHUNK):
                     pass
-        except zipfile.BadZipFile:
-            return [f"record {info.filename!r} ({_record_names(path).get(info.filename, 'not a tensor')})"]
+        except Exception as err:  # noqa: BLE001 - a bad CRC-32, or damage zipfile meets first (EOF, I/O error)
+            if "names" not in opened:
+                opened["names"] = _record_names(path)
+            what = opened["names"].get(info.filename, "not a tensor")
+            said = "" if isinstance(err, zipfile.BadZipFile) and "CRC" in str(err) else f"; {type(err).__name__}: {err}"
+            return [f"{path.name}: record {info.filename!r} ({what}{said})"]
         return []
 
     return [(info.file_size, lambda info=info: check(info)) for info in infos]
@@ -226,11 +248,19 @@ def _record_names(path: Path) -> dict[str, str]:
 def _sharded_pieces(path: Path) -> list[tuple[int, Check]]:
     """A sharded checkpoint's files, each block checked against the CRC-32 its rank wrote beside it."""
     digests: dict[str, list[list[int]]] = {}
+    unreadable: list[tuple[int, Check]] = []
+    try:
+        save_id = getattr(read_dcp_metadata(path).storage_meta, "save_id", None)
+    except Exception:  # noqa: BLE001 - the index is checked (and named) by the load itself
+        save_id = None
     for sidecar in sorted(path.glob(f"__*_{SIDECAR}")):
         try:
-            digests.update(json.loads(sidecar.read_text())["files"])
-        except (OSError, ValueError, KeyError, TypeError) as err:
-            raise CheckpointFileError(f"The checksum file {sidecar} is unreadable ({err}): the checkpoint is damaged.")
+            written = json.loads(sidecar.read_text())
+            if save_id is not None and written.get("save_id") not in (None, save_id):
+                continue  # left by an earlier save into this directory (another writer overwrote it in place)
+            digests.update(written["files"])
+        except Exception as err:  # noqa: BLE001 - reported by one rank, like a mismatch
+            unreadable.append((0, lambda s=sidecar, e=err: [f"the checksum file {s.name!r} is unreadable ({e})"]))
 
     def check(name: str, blocks: list[list[int]]) -> list[str]:
         bad = []
@@ -253,7 +283,8 @@ def _sharded_pieces(path: Path) -> list[tuple[int, Check]]:
         tensors = _items_at(path, name, bad)
         return [f"file {name!r}, {tensors}"]
 
-    return [(sum(b[1] for b in blocks), lambda n=name, b=blocks: check(n, b)) for name, blocks in digests.items()]
+    return unreadable + [(sum(b[1] for b in blocks), lambda n=name, b=blocks: check(n, b))
+                         for name, blocks in digests.items()]
 
 
 def _items_at(path: Path, name: str, offsets: list[int]) -> str:

@@ -7,6 +7,7 @@ from collections.abc import Callable, Generator, Sequence
 from contextlib import contextmanager
 from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -367,22 +368,32 @@ class PlannedLoads:
 
     def run(self, root: nn.Module) -> None:
         """Read each rank's slices into its materialized shards; then, on every rank together, raise if any rank read
-        a NaN or an infinity into a parameter (unless that load allows it). Call on every rank."""
-        found: list[tuple[PlannedLoad, list[str]]] = []
-        for load in self.loads:
-            non_finite = run_plan(root.get_submodule(load.prefix), load.source, load.plan)
-            found.append((load, [] if load.allow_non_finite else non_finite))
+        a NaN or an infinity into a parameter (unless that load allows it), or failed to read. Call on every rank."""
         if not self.loads:
             return
-        every = _every_rank([names for _, names in found])
-        for i, (load, _) in enumerate(found):
-            by_rank = {rank: names[i] for rank, names in enumerate(every) if names[i]}
+        names: list[list[str]] = []
+        error: BaseException | None = None
+        try:
+            for load in self.loads:
+                non_finite = run_plan(root.get_submodule(load.prefix), load.source, load.plan)
+                names.append([] if load.allow_non_finite else non_finite)
+        except Exception as err:  # noqa: BLE001 - raised below, after every rank has heard of it (none waits)
+            error = err
+        every = _every_rank([names, None if error is None else f"{type(error).__name__}: {error}"])
+        if error is not None:
+            raise error
+        failed = [(rank, said) for rank, (_, said) in enumerate(every) if said is not None]
+        if failed:
+            rank, said = failed[0]
+            raise CheckpointFileError(f"Rank {rank} failed to load pretrained weights: {said}")
+        for i, load in enumerate(self.loads):
+            by_rank = {rank: found[i] for rank, (found, _) in enumerate(every) if found[i]}
             if by_rank:
                 where = type(root.get_submodule(load.prefix)).__name__
                 raise CheckpointFileError(_non_finite_message(where, load.source, load.plan, by_rank))
 
 
-def _every_rank(mine: list[list[str]]) -> list[list[list[str]]]:
+def _every_rank(mine: Any) -> list[Any]:
     """Every rank's ``mine``, in rank order (a small collective; just ``[mine]`` without a process group)."""
     if not (torch.distributed.is_initialized() and torch.distributed.get_world_size() > 1):
         return [mine]
