@@ -28,9 +28,10 @@ SECTIONS = [
     ("The watch for peers that moved on, in training steps", "peer-watch", "What `peer_timeout` costs a training step:"
      " FSDP2Strategy with it (the default: each rank's phase published by a thread, the process groups' timeout"
      " lowered) and without, side by side (`python benchmarks/throughput.py --knobs --only fsdp2 fsdp2+no_peer_watch"
-     " --repeats 3 --out DIR`, copied to `peer-watch.*`)."),
-    ("Checkpoint checksums", "integrity", "What the CRC-32s of `verify_checkpoints` cost: writing with them against"
-     " without, verifying against reading the same bytes (`python benchmarks/integrity.py --sizes 1.1 1.5`)."),
+     " fsdp2 fsdp2+no_peer_watch --repeats 2 --out DIR`, copied to `peer-watch.*`)."),
+    ("Checkpoint checksums", "integrity", "What the CRC-32s of `verify_checkpoints` cost: torch writing them (its"
+     " default) against not, and verifying against reading the same bytes from the page cache and from the disk"
+     " (`python benchmarks/integrity.py --sizes 1.1 1.5 --repeats 3`, as root to drop the page cache)."),
     ("Tensor parallelism", "tensor-parallel", "FSDP over 4, TP 2 x FSDP 2 and TP 4 at world size 4 (one global batch),"
      " each against Lightning's ModelParallelStrategy with the same plan written by hand. On CPUs with gloo TP is"
      " expected to be slower than FSDP: its all-reduces sit on the critical path of every layer, on the same cores"
@@ -41,6 +42,9 @@ SECTIONS = [
     ("The layout chosen from memory: against DDP and full sharding", "auto-layout", "`device_mesh=\"auto\"` on an"
      " emulated device (each process's memory capped), against Lightning's DDP and `FSDP2Strategy()`, where DDP fits,"
      " in between, and where it does not (`python benchmarks/auto_layout.py --contest`)."),
+    ("The layout chosen from memory: the in-between case again", "auto-layout-deep", "The 48-layer model on 3.6 GiB"
+     " alone, 5 repeats (`python benchmarks/auto_layout.py --contest --cases deep:3.6:1x64 --repeats 5 --out DIR`,"
+     " copied to `auto-layout-deep.*`)."),
     ("Start-up: loading a pretrained model", "load_pretrained-large", "load_pretrained on meta against an eager build "
      "plus whole-state-dict load then sharding, against transformers sharding the model itself "
      "(`from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2))`, which FSDP2Strategy refuses to take "

@@ -24,6 +24,14 @@ def _flip(file: Path, offset: int) -> None:
     file.write_bytes(bytes(data))
 
 
+def _data_offset(file: Path, info: zipfile.ZipInfo) -> int:
+    """Where a zip record's bytes start: after its local header (whose extra field torch pads for alignment)."""
+    with open(file, "rb") as f:
+        f.seek(info.header_offset + 26)
+        name_length, extra_length = (int.from_bytes(f.read(2), "little") for _ in range(2))
+    return info.header_offset + 30 + name_length + extra_length
+
+
 def _resume(pretrained: str, path: str, strategy: dict) -> str:
     try:
         fit_resumable(pretrained, 2, resume_from=path, strategy=strategy)
@@ -38,10 +46,7 @@ def _damaged_full(saved: dict, tmp_path: Path) -> tuple[Path, str]:
     shutil.copy(saved["full"], copy)
     with zipfile.ZipFile(copy) as archive:
         info = max((i for i in archive.infolist() if "/data/" in i.filename), key=lambda i: i.file_size)
-    with open(copy, "rb") as f:
-        f.seek(info.header_offset + 26)
-        name_length, extra_length = (int.from_bytes(f.read(2), "little") for _ in range(2))
-    _flip(copy, info.header_offset + 30 + name_length + extra_length + info.file_size // 2)
+    _flip(copy, _data_offset(copy, info) + info.file_size // 2)
     return copy, info.filename
 
 
@@ -73,7 +78,6 @@ def test_a_flipped_bit_in_a_full_checkpoint_is_named_on_every_rank(pretrained: P
 
 
 def test_a_flipped_bit_in_a_shard_is_named_with_its_tensor(pretrained: Path, saved: dict, tmp_path: Path) -> None:
-    assert sorted(p.name for p in saved["sharded"].glob("*_crc32.json")) == ["__0_crc32.json", "__1_crc32.json"]
     integrity.verify(saved["sharded"], together=False)  # the intact one passes
     copy, file, fqn = _damaged_sharded(saved, tmp_path)
     messages = run_distributed(_resume, 2, str(pretrained), str(copy), {"state_dict_type": "sharded"})
@@ -87,12 +91,25 @@ def test_a_flipped_bit_in_a_shard_is_named_with_its_tensor(pretrained: Path, sav
 
 
 def test_checkpoints_without_checksums_load_as_before(saved: dict, tmp_path: Path) -> None:
-    """A DCP directory written by someone else (no checksum files) and a torch.save file written without CRC-32s
-    are read without a check; an intact full checkpoint passes it."""
+    """A torch.save file written without CRC-32s (compute_crc32 off) is read without a check, flipped bit and all;
+    an intact full checkpoint passes it; a flipped bit in a sharded checkpoint's meta.pt is found too."""
+    import torch
+    from torch.utils.serialization import config
+
     integrity.verify(saved["full"], together=False)
-    copy = tmp_path / "theirs.ckpt"
+    config.save.compute_crc32 = False
+    try:
+        torch.save({"weight": torch.arange(1000.0)}, tmp_path / "theirs.pt")
+    finally:
+        config.save.compute_crc32 = True
+    with zipfile.ZipFile(tmp_path / "theirs.pt") as archive:
+        info = next(i for i in archive.infolist() if "/data/" in i.filename)
+    _flip(tmp_path / "theirs.pt", _data_offset(tmp_path / "theirs.pt", info) + info.file_size // 2)
+    integrity.verify(tmp_path / "theirs.pt", together=False)  # nothing to compare against: as before
+    copy = tmp_path / "meta-flipped.ckpt"
     shutil.copytree(saved["sharded"], copy)
-    for sidecar in copy.glob("*_crc32.json"):
-        sidecar.unlink()
-    _flip(copy / read_dcp_metadata(copy).storage_data[next(iter(read_dcp_metadata(copy).storage_data))].relative_path, 200)
-    integrity.verify(copy, together=False)  # nothing to compare against: as before
+    with zipfile.ZipFile(copy / "meta.pt") as archive:
+        info = next(i for i in archive.infolist() if i.filename.endswith("data.pkl"))
+    _flip(copy / "meta.pt", _data_offset(copy / "meta.pt", info) + info.file_size // 2)
+    with pytest.raises(CheckpointFileError, match=r"meta\.pt: record .*data\.pkl"):
+        integrity.verify(copy, together=False)

@@ -122,8 +122,7 @@ def checkpoint_kind(path: str | os.PathLike) -> str | None:
 
 
 def _written_by_sharded_save(name: str) -> bool:
-    # DCP's files (`__<rank>_<n>.distcp`), and each rank's checksums beside them (`__<rank>_crc32.json`, integrity.py).
-    return name in (".metadata", META_FILENAME) or (name.startswith("__") and name.endswith((".distcp", "_crc32.json")))
+    return name in (".metadata", META_FILENAME) or (name.startswith("__") and name.endswith(".distcp"))
 
 
 def check_replaceable(path: str | os.PathLike) -> str:

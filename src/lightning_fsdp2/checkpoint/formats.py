@@ -16,11 +16,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.checkpoint import FileSystemWriter
 from torch.optim import Optimizer
 
 from lightning_fsdp2.checkpoint.background import BackgroundWriter, is_rank0, swap_into_place
 from lightning_fsdp2.checkpoint import integrity, safe_dcp
-from lightning_fsdp2.checkpoint.integrity import ChecksummedWriter
 from lightning_fsdp2.checkpoint.safe_dcp import check_sharded_files
 from lightning_fsdp2.checkpoint.files import (
     FORMAT_KEY,
@@ -178,7 +178,7 @@ def save_sharded(checkpoint: Mapping[str, Any], path: Path, *, background: Backg
         if is_rank0():
             delete(tmp)
         raise
-    writer = ChecksummedWriter(tmp, overwrite=True)  # DCP's writer, with a CRC-32 of each item as it is written
+    writer = FileSystemWriter(tmp, overwrite=True)  # each shard a torch.save archive: torch's CRC-32s in it
     if background is not None:
         background.start(tensors, writer, tmp, path)
         return

@@ -1,131 +1,69 @@
-"""Checksums: computed while a checkpoint is written, verified before anything of it is loaded.
+"""Checksums: written with every checkpoint (by torch, as it writes the bytes), verified before anything of it is
+loaded.
 
 Storage and network file systems do flip bits, and neither ``torch.load``, DCP nor safetensors notice: a resume would
-train on from the corrupted value. Both of our formats carry a CRC-32 of every piece of data, computed from the bytes
-as they are written (no second read):
+train on from the corrupted value. Yet both of our formats already carry a CRC-32 of every tensor's bytes, computed
+by torch while it writes them: a ``torch.save`` archive is a zip file whose directory holds each record's CRC-32
+(``torch.utils.serialization.config.save.compute_crc32``, on by default), and
 
-- ``"full"``: a ``torch.save`` file is a zip archive, and torch's writer (``torch.save``'s and ours,
-  :mod:`.stream`) stores each record's CRC-32 in the archive's directory, as the zip format has it. Nothing reads it
-  back: ``torch.load`` does not (``mmap=True`` maps the bytes straight into tensors). Verifying reads each record
-  once and compares.
-- ``"sharded"``: DCP writes no checksums, so :class:`ChecksummedWriter` (DCP's own ``FileSystemWriter``, its files
-  seen through :class:`_Digesting`) computes one CRC-32 per item (a tensor shard, or a pickled object) as DCP writes
-  it, and each rank writes those of its own files beside them (``__<rank>_crc32.json``).
+- ``"full"``: the file is such an archive (``torch.save``'s, or ours, :mod:`.stream`, written with torch's zip writer);
+- ``"sharded"`` (and ``async_save``): DCP writes each tensor shard as a ``torch.save`` archive inside its ``.distcp``
+  file (its default ``TORCH_SAVE`` format), at the offset its index (``.metadata``) gives; and ``meta.pt`` is one.
 
-Verification splits the files (or archive records) over the ranks, each reading its share once, so a resume reads
-the checkpoint's bytes one more time in all, in parallel; then every rank learns every mismatch and all raise
-together, naming the file, the tensor and the rank that found it, before anything is loaded into the model. A
-checkpoint without checksums (written by someone else: Lightning's ``ModelParallelStrategy``, a DCP directory of your
-own, a ``torch.save`` file written with ``compute_crc32`` off) loads as before. CRC-32 (zlib's, 2-3 GB/s per core
-here) detects every burst of up to 32 flipped bits and other damage with probability 1 - 2^-32; it is not a
-defence against deliberate tampering (that takes a signature).
+Nothing reads these CRC-32s back (``torch.load(mmap=True)`` maps the bytes straight into tensors). Here every record
+is read once and compared, before the load: the records are split over the ranks, each reading its share (the
+CRC-32 of a chunk computed on a helper thread while the next is read), so a resume reads the checkpoint's bytes one
+more time in all, in parallel; then every rank learns every mismatch and all raise together, naming the file, the
+tensor and the rank that found it. Writing costs nothing more than torch already does. Not covered: a sharded
+checkpoint's non-tensor items (DCP pickles them raw: an optimizer's ``param_groups``), checkpoints written with
+``compute_crc32`` off, and other formats (safetensors): they load as before. CRC-32 (zlib's) detects every burst of up
+to 32 flipped bits and other damage with probability 1 - 2^-32; it is no defence against deliberate tampering (that
+takes a signature).
 """
 
 from __future__ import annotations
 
-import json
+import io
 import os
-import threading
 import zipfile
 import zlib
-from collections.abc import Callable, Generator
-from contextlib import contextmanager
+from collections.abc import Callable
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import torch.distributed as dist
-from torch.distributed.checkpoint import FileSystemWriter
-from torch.distributed.checkpoint.filesystem import FileSystem
 
 from lightning_fsdp2.checkpoint.files import META_FILENAME, CheckpointFileError
 from lightning_fsdp2.checkpoint.safe_dcp import read_dcp_metadata
 
-SIDECAR = "crc32.json"
-"""A rank's checksums, beside its DCP files: ``__<rank>_crc32.json`` (DCP names its files ``__<rank>_<n>.distcp``)."""
-
 CHUNK = 16 << 20  # bytes read at a time while verifying
 
-
-# ------------------------------------------------------------------------------------------------- writing
-class _Digesting:
-    """A file being written by DCP, passed through; every ``tell()`` (DCP asks before and after each item) starts a
-    new block, whose CRC-32 the writes that follow update."""
-
-    def __init__(self, stream: Any) -> None:
-        self._stream = stream
-        self.blocks: list[list[int]] = []  # [offset, length, crc32]
-
-    def tell(self) -> int:
-        offset = self._stream.tell()
-        if self.blocks is None:
-            return offset
-        if not self.blocks or self.blocks[-1][1]:  # a new block, unless the last one is still empty
-            self.blocks.append([offset, 0, 0])
-        else:
-            self.blocks[-1][0] = offset
-        return offset
-
-    def write(self, data: Any) -> int:
-        view = memoryview(data).cast("B")
-        if self.blocks is None:
-            return self._stream.write(view)
-        if not self.blocks:
-            self.blocks.append([self._stream.tell(), 0, 0])
-        block = self.blocks[-1]
-        block[1] += len(view)
-        block[2] = zlib.crc32(view, block[2])
-        return self._stream.write(view)
-
-    def seek(self, *args: Any) -> int:
-        self.blocks = None  # type: ignore[assignment] # a writer that goes back: no checksums for this file
-        return self._stream.seek(*args)
-
-    def truncate(self, *args: Any) -> int:
-        self.blocks = None  # type: ignore[assignment]
-        return self._stream.truncate(*args)
-
-    def __getattr__(self, name: str) -> Any:  # fileno, flush, close, writable...: the file's own
-        return getattr(self._stream, name)
+_executor: ThreadPoolExecutor | None = None
 
 
-class _DigestingFileSystem(FileSystem):
-    """DCP's local file system, whose files opened for writing are :class:`_Digesting` ones."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.digests: dict[str, list[list[int]]] = {}  # file name -> its blocks
-        self._lock = threading.Lock()  # DCP writes several files at once from its threads
-
-    @contextmanager
-    def create_stream(self, path: str | os.PathLike, mode: str) -> Generator[Any, None, None]:
-        with super().create_stream(path, mode) as stream:
-            if "w" not in mode:
-                yield stream
-                return
-            digesting = _Digesting(stream)
-            yield digesting
-        if digesting.blocks is not None:
-            with self._lock:
-                self.digests[Path(path).name] = [b for b in digesting.blocks if b[1]]
+def _helper() -> ThreadPoolExecutor:
+    """One thread that computes CRC-32s beside the thread reading the bytes (made on first use)."""
+    global _executor
+    if _executor is None:
+        _executor = ThreadPoolExecutor(max_workers=1, thread_name_prefix="lightning_fsdp2-crc32")
+    return _executor
 
 
-class ChecksummedWriter(FileSystemWriter):
-    """DCP's ``FileSystemWriter`` that also writes this rank's checksums, computed as its files are written."""
-
-    def __init__(self, path: str | os.PathLike, **kwargs: Any) -> None:
-        super().__init__(path, **kwargs)
-        self.fs = _DigestingFileSystem()
-
-    def write_data(self, plan: Any, planner: Any) -> Any:
-        written = super().write_data(plan, planner)
-        written.wait()  # DCP's local writer has finished its files when it returns (a torch Future, already set)
-        files = {name: blocks for name, blocks in self.fs.digests.items() if name.startswith(plan.storage_data.prefix)}
-        sidecar = Path(self.path) / f"{plan.storage_data.prefix}{SIDECAR}"
-        with open(sidecar, "w") as f:
-            json.dump({"algorithm": "crc32", "save_id": self.save_id, "files": files}, f)
-            f.flush()
-            os.fsync(f.fileno())
-        return written
+def _crc_of(f: Any, offset: int, length: int) -> int | None:
+    """The CRC-32 of ``length`` bytes of ``f`` from ``offset`` (``None`` if the file ends first): each chunk's
+    CRC-32 computed on the helper thread while the next chunk is read."""
+    f.seek(offset)
+    value, left, pending = 0, length, None
+    while left:
+        data = f.read(min(CHUNK, left))
+        if pending is not None:
+            value = pending.result()
+        if not data:
+            return None
+        left -= len(data)
+        pending = _helper().submit(zlib.crc32, data, value)
+    return pending.result() if pending is not None else value
 
 
 # ------------------------------------------------------------------------------------------------ verifying
@@ -188,12 +126,18 @@ def _archive_pieces(path: Path) -> list[tuple[int, Check]]:
 
     def check(info: zipfile.ZipInfo) -> list[str]:
         try:
-            if "archive" not in opened:
-                opened["archive"] = zipfile.ZipFile(path)
-            with opened["archive"].open(info) as record:
-                while record.read(CHUNK):
-                    pass
-        except Exception as err:  # noqa: BLE001 - a bad CRC-32, or damage zipfile meets first (EOF, I/O error)
+            if info.compress_type == zipfile.ZIP_STORED:  # torch stores records as they are: read them straight
+                if "file" not in opened:
+                    opened["file"] = open(path, "rb")  # noqa: SIM115 - one per rank, for all its records
+                if _stored_crc(opened["file"], 0, info) != info.CRC:
+                    raise zipfile.BadZipFile(f"Bad CRC-32 for file {info.filename!r}")
+            else:
+                if "archive" not in opened:
+                    opened["archive"] = zipfile.ZipFile(path)
+                with opened["archive"].open(info) as record:
+                    while record.read(CHUNK):
+                        pass
+        except Exception as err:  # noqa: BLE001 - a bad CRC-32, or damage met first (EOF, I/O error)
             if "names" not in opened:
                 opened["names"] = _record_names(path)
             what = opened["names"].get(info.filename, "not a tensor")
@@ -246,55 +190,71 @@ def _record_names(path: Path) -> dict[str, str]:
 
 
 def _sharded_pieces(path: Path) -> list[tuple[int, Check]]:
-    """A sharded checkpoint's files, each block checked against the CRC-32 its rank wrote beside it."""
-    digests: dict[str, list[list[int]]] = {}
-    unreadable: list[tuple[int, Check]] = []
-    try:
-        save_id = getattr(read_dcp_metadata(path).storage_meta, "save_id", None)
-    except Exception:  # noqa: BLE001 - the index is checked (and named) by the load itself
-        save_id = None
-    for sidecar in sorted(path.glob(f"__*_{SIDECAR}")):
-        try:
-            written = json.loads(sidecar.read_text())
-            if save_id is not None and written.get("save_id") not in (None, save_id):
-                continue  # left by an earlier save into this directory (another writer overwrote it in place)
-            digests.update(written["files"])
-        except Exception as err:  # noqa: BLE001 - reported by one rank, like a mismatch
-            unreadable.append((0, lambda s=sidecar, e=err: [f"the checksum file {s.name!r} is unreadable ({e})"]))
+    """A sharded checkpoint's tensor items, each a ``torch.save`` archive inside a ``.distcp`` file, each record
+    checked against the CRC-32 in that archive's directory."""
+    from torch.distributed.checkpoint.metadata import BytesStorageMetadata
 
-    def check(name: str, blocks: list[list[int]]) -> list[str]:
-        bad = []
-        try:
-            with open(path / name, "rb") as f:
-                for offset, length, crc in blocks:
-                    f.seek(offset)
-                    value, left = 0, length
-                    while left:
-                        data = f.read(min(CHUNK, left))
-                        if not data:
-                            break
-                        value, left = zlib.crc32(data, value), left - len(data)
-                    if left or value != crc:
-                        bad.append(offset)
-        except OSError as err:
-            return [f"file {name!r} could not be read ({err})"]
-        if not bad:
-            return []
-        tensors = _items_at(path, name, bad)
-        return [f"file {name!r}, {tensors}"]
-
-    return unreadable + [(sum(b[1] for b in blocks), lambda n=name, b=blocks: check(n, b))
-                         for name, blocks in digests.items()]
-
-
-def _items_at(path: Path, name: str, offsets: list[int]) -> str:
-    """The entries (``state_dict.layer.weight``) DCP wrote at ``offsets`` of file ``name``, from its index."""
     try:
         metadata = read_dcp_metadata(path)
-        found = [index.fqn for index, info in (metadata.storage_data or {}).items()
-                 if info.relative_path == name and info.offset in offsets]
-    except Exception:  # noqa: BLE001 - the names are a courtesy
-        found = []
-    if not found:
-        return f"at byte(s) {offsets[:5]}"
-    return "tensor " + ", ".join(repr(n) for n in sorted(set(found))[:5])
+    except Exception:  # noqa: BLE001 - the load names a bad index itself
+        return []
+    opened: dict[str, Any] = {}  # this rank's open files, one each
+
+    def check(fqn: str, name: str, offset: int, length: int) -> list[str]:
+        if name not in opened:
+            opened[name] = open(path / name, "rb")  # noqa: SIM115 - kept for the rank's other items in it
+        f = opened[name]
+        try:
+            with zipfile.ZipFile(_Window(f, offset, length)) as archive:
+                records = archive.infolist()
+            for info in records:
+                if info.CRC and _stored_crc(f, offset, info) != info.CRC:
+                    raise zipfile.BadZipFile(f"Bad CRC-32 for record {info.filename!r}")
+        except Exception as err:  # noqa: BLE001 - a bad CRC-32, or damage met first (a broken archive, EOF, I/O)
+            said = "" if isinstance(err, zipfile.BadZipFile) and "CRC" in str(err) else f"; {type(err).__name__}: {err}"
+            return [f"file {name!r}, tensor {fqn!r}{said}"]
+        return []
+
+    items = metadata.storage_data or {}
+    return [(info.length, lambda i=index, info=info: check(i.fqn, info.relative_path, info.offset, info.length))
+            for index, info in items.items()
+            if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata)
+            and not getattr(info, "transform_descriptors", None)]  # compressed by a DCP extension: not torch's bytes
+
+
+def _stored_crc(f: Any, base: int, info: zipfile.ZipInfo) -> int | None:
+    """The CRC-32 of a stored (uncompressed: torch's) record of the archive that starts at ``base`` in ``f``."""
+    if info.compress_type != zipfile.ZIP_STORED:
+        raise zipfile.BadZipFile(f"record {info.filename!r} is compressed: not a torch archive")
+    f.seek(base + info.header_offset + 26)  # the local header's name and extra-field lengths
+    name_length, extra_length = (int.from_bytes(f.read(2), "little") for _ in range(2))
+    return _crc_of(f, base + info.header_offset + 30 + name_length + extra_length, info.file_size)
+
+
+class _Window(io.RawIOBase):
+    """Bytes ``offset`` to ``offset + length`` of an open file, as a file of their own (a DCP item, for zipfile)."""
+
+    def __init__(self, f: Any, offset: int, length: int) -> None:
+        self._f, self._offset, self._length, self._pos = f, offset, length, 0
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        self._pos = max(0, {0: pos, 1: self._pos + pos, 2: self._length + pos}[whence])
+        return self._pos
+
+    def read(self, n: int = -1) -> bytes:
+        n = self._length - self._pos if n is None or n < 0 else min(n, self._length - self._pos)
+        if n <= 0:
+            return b""
+        self._f.seek(self._offset + self._pos)
+        data = self._f.read(n)
+        self._pos += len(data)
+        return data
