@@ -128,10 +128,14 @@ def _misbehave(how: str, out: str) -> None:
     module = _Misbehaving(how)
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(peer_timeout=BOUND), max_steps=6,
                         **quiet_trainer_kwargs())
-    _timed(lambda: trainer.fit(module), out, trainer.global_rank, lambda: trainer.global_rank == 1 and how == "save")
-    if how == "save":  # after fit, rank 0 alone saves (e.g. `if trainer.is_global_zero: trainer.save_checkpoint`)
+    _timed(lambda: trainer.fit(module), out, trainer.global_rank, lambda: how in ("save", "adapter"))
+    if how in ("save", "adapter"):  # after fit, rank 0 alone saves (`if trainer.is_global_zero: ...`)
         if trainer.global_rank == 0:
-            _timed(lambda: trainer.save_checkpoint(Path(out, "model.ckpt")), out, 0)
+            from lightning_fsdp2.lora import save_adapter
+
+            save = (lambda: trainer.save_checkpoint(Path(out, "model.ckpt"))) if how == "save" else (
+                lambda: save_adapter(module, Path(out, "adapter")))
+            _timed(save, out, 0)
         else:
             time.sleep(4 * BOUND)  # then the helper's closing barrier: rank 0 has long failed
 
@@ -192,6 +196,17 @@ def test_a_save_on_rank_0_alone_says_every_rank_must_call_it(tmp_path: Path) -> 
     assert "rank 1: finished (its run ended)" in rank0["error"]
     assert rank0["elapsed"] <= 2 * BOUND + 10, rank0
     assert not list(tmp_path.glob("model.ckpt*")), "nothing left behind"
+
+
+@pytest.mark.slow  # another fit and a bound of waiting
+def test_an_adapter_export_on_rank_0_alone_says_every_rank_must_call_it(tmp_path: Path) -> None:
+    with pytest.raises(RuntimeError):
+        run_distributed(_misbehave, 2, "adapter", str(tmp_path), timeout=180)
+    rank0 = json.loads((tmp_path / "0.json").read_text())
+    assert rank0["type"] == "PeerLostError", rank0
+    assert "Every rank must call lora.save_adapter" in rank0["error"], rank0["error"]
+    assert rank0["elapsed"] <= 2 * BOUND + 10, rank0
+    assert not (tmp_path / "adapter").exists(), "nothing left behind"
 
 
 def test_the_strategy_still_pickles_for_spawn() -> None:

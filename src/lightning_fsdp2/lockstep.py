@@ -183,13 +183,8 @@ class PeerWatch:
         (outer, since), self._phase, self._since = (self._phase, self._since), (method, count), time.monotonic()
         self._saving += method in _SAVING
         try:
-            yield
-        except PeerLostError:
-            raise
-        except Exception as err:
-            if not _collective_failure(err):
-                raise
-            raise PeerLostError(self.report(err)) from err
+            with _peer_lost(self.report):
+                yield
         finally:
             self._phase, self._since = outer, since
             self._saving -= method in _SAVING
@@ -220,7 +215,7 @@ class PeerWatch:
         return (
             f"Rank {rank} waited in a collective ({mine}), and it failed {waited:.0f} s into it{bound}: another rank did"
             f" not take part. Last seen: {'; '.join(seen) or 'no other rank published its state'}. {hint} Torch"
-            f" reported: {str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__}"
+            f" reported: {_torch_said(err)}"
         )
 
     def _hint(self, theirs: list[dict], unreadable: bool) -> str:
@@ -303,9 +298,9 @@ def watched(method: Callable[..., Any]) -> Callable[..., Any]:
 
 
 @contextmanager
-def every_rank_calls(what: str) -> Iterator[None]:
-    """For functions outside the strategy that gather from every rank (``lora.save_adapter``): a collective that
-    fails in the block raises :class:`PeerLostError` saying that every rank must call ``what``."""
+def _peer_lost(message: Callable[[BaseException], str]) -> Iterator[None]:
+    """A collective that fails in the block (for want of a peer) raises :class:`PeerLostError` with
+    ``message(error)``; other errors pass."""
     try:
         yield
     except PeerLostError:
@@ -313,11 +308,20 @@ def every_rank_calls(what: str) -> Iterator[None]:
     except Exception as err:
         if not _collective_failure(err):
             raise
-        raise PeerLostError(
-            f"{what} failed in a collective on rank {dist.get_rank()}: another rank did not take part. Every rank must"
-            f" call {what}: each holds a share of the tensors (rank 0 alone writes the files). Torch reported:"
-            f" {str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__}"
-        ) from err
+        raise PeerLostError(message(err)) from err
+
+
+def _torch_said(err: BaseException) -> str:
+    return str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
+
+
+def every_rank_calls(what: str) -> Any:
+    """For functions outside the strategy that gather from every rank (``lora.save_adapter``): a collective that
+    fails in the block raises :class:`PeerLostError` saying that every rank must call ``what``."""
+    return _peer_lost(lambda err: (
+        f"{what} failed in a collective on rank {dist.get_rank()}: another rank did not take part. Every rank must call"
+        f" {what}: each holds a share of the tensors (rank 0 alone writes the files). Torch reported: {_torch_said(err)}"
+    ))
 
 
 def called_by_every_rank(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
