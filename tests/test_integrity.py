@@ -15,7 +15,7 @@ from lightning_fsdp2.checkpoint.safe_dcp import read_dcp_metadata
 from lightning_fsdp2.convert import main as convert_main
 from lightning_fsdp2.convert import read_full_checkpoint
 from tests.helpers import run_distributed
-from tests.models import fit_resumable
+from tests.integration.test_resume import _resume_expecting_error
 
 
 def _flip(file: Path, offset: int) -> None:
@@ -30,14 +30,6 @@ def _data_offset(file: Path, info: zipfile.ZipInfo) -> int:
         f.seek(info.header_offset + 26)
         name_length, extra_length = (int.from_bytes(f.read(2), "little") for _ in range(2))
     return info.header_offset + 30 + name_length + extra_length
-
-
-def _resume(pretrained: str, path: str, strategy: dict) -> str:
-    try:
-        fit_resumable(pretrained, 2, resume_from=path, strategy=strategy)
-    except Exception as err:  # noqa: BLE001 - the test asserts on the message
-        return f"{type(err).__name__}: {err}"
-    return "no error"
 
 
 def _damaged_full(saved: dict, tmp_path: Path) -> tuple[Path, str]:
@@ -63,14 +55,14 @@ def _damaged_sharded(saved: dict, tmp_path: Path) -> tuple[Path, str, str]:
 
 def test_a_flipped_bit_in_a_full_checkpoint_is_named_on_every_rank(pretrained: Path, saved: dict, tmp_path: Path) -> None:
     copy, record = _damaged_full(saved, tmp_path)
-    messages = run_distributed(_resume, 2, str(pretrained), str(copy), {})
+    messages = run_distributed(_resume_expecting_error, 2, str(pretrained), str(copy), {})
     assert messages[0] == messages[1], "every rank raises the same error"
     message = messages[0]
     assert message.startswith(f"CheckpointFileError: The checkpoint {copy} is damaged"), message
     assert f"record {record!r} (tensor 'state_dict." in message, message
     assert "(found by rank " in message and "Nothing was loaded" in message, message
     # Turned off, the same file loads (and trains on from the flipped value): the check is what caught it.
-    assert run_distributed(_resume, 2, str(pretrained), str(copy), {"verify_checkpoints": False}) == ["no error"] * 2
+    assert run_distributed(_resume_expecting_error, 2, str(pretrained), str(copy), {}, {"verify_checkpoints": False}) == ["no error"] * 2
     # The converter and read_full_checkpoint check too, and can be told not to.
     with pytest.raises(CheckpointFileError, match="is damaged"):
         read_full_checkpoint(copy)
@@ -80,7 +72,7 @@ def test_a_flipped_bit_in_a_full_checkpoint_is_named_on_every_rank(pretrained: P
 def test_a_flipped_bit_in_a_shard_is_named_with_its_tensor(pretrained: Path, saved: dict, tmp_path: Path) -> None:
     integrity.verify(saved["sharded"], together=False)  # the intact one passes
     copy, file, fqn = _damaged_sharded(saved, tmp_path)
-    messages = run_distributed(_resume, 2, str(pretrained), str(copy), {"state_dict_type": "sharded"})
+    messages = run_distributed(_resume_expecting_error, 2, str(pretrained), str(copy), {}, {"state_dict_type": "sharded"})
     assert messages[0] == messages[1], "every rank raises the same error"
     assert f"CheckpointFileError: The checkpoint {copy} is damaged" in messages[0], messages[0]
     assert f"file {file!r}, tensor {fqn!r} (found by rank " in messages[0], messages[0]

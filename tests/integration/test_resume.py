@@ -213,9 +213,9 @@ def test_a_save_killed_midway_leaves_the_previous_checkpoint(fmt: str, pretraine
     assert sorted(p.name for p in tmp_path.iterdir()) == ["last.ckpt"]
 
 
-def _resume_expecting_error(pretrained: str, path: str, module: dict) -> str:
+def _resume_expecting_error(pretrained: str, path: str, module: dict, strategy: dict | None = None) -> str:
     try:
-        fit_resumable(pretrained, 2, resume_from=path, module=module)
+        fit_resumable(pretrained, 2, resume_from=path, strategy=strategy, module=module)
     except Exception as err:  # noqa: BLE001 - the test asserts on the message
         return f"{type(err).__name__}: {err}"
     return "no error"

@@ -135,15 +135,16 @@ def _is_float(dtype: torch.dtype) -> bool:
     return dtype.is_floating_point or dtype.is_complex
 
 
-def run_plan(module: nn.Module, source: TensorSource, plan: LoadPlan) -> list[str]:
-    """Copy every planned tensor's slice into ``module``, in file order; return the names of the parameters whose
-    slice on this rank holds a NaN or an infinity (buffers may: a mask of ``-inf``)."""
+def run_plan(module: nn.Module, source: TensorSource, plan: LoadPlan, *, check_finite: bool = False) -> list[str]:
+    """Copy every planned tensor's slice into ``module``, in file order; with ``check_finite``, return the names of
+    the parameters whose slice on this rank holds a NaN or an infinity (buffers may: a mask of ``-inf``)."""
     tensors: dict[str, Tensor] = dict(module.named_parameters()) | dict(module.named_buffers())
     parameters = {name for name, _ in module.named_parameters()}
     non_finite = []
     for name, key in sorted(plan.copies.items(), key=lambda item: source.where(item[1])):
         local = copy_into(tensors[name], source, key)
-        if name in parameters and local is not None and _is_float(local.dtype) and not torch.isfinite(local).all():
+        if (check_finite and name in parameters and local is not None and _is_float(local.dtype)
+                and not torch.isfinite(local).all()):
             non_finite.append(name)
     return non_finite
 

@@ -191,8 +191,7 @@ def declare_load(
         planned = PlannedLoads([PlannedLoad("", opened, plan, nf4, allow_non_finite)])
         planned.check_quantize(module, world, require_frozen=False)
         quantize_weights(planned.take_nf4(module))
-    non_finite = run_plan(module, opened, plan)
-    non_finite = [] if allow_non_finite else non_finite
+    non_finite = run_plan(module, opened, plan, check_finite=not allow_non_finite)
     sharded = any(isinstance(p, DTensor) for p in module.parameters())
     # Into shards (Fabric's load after set-up) each rank checked its own slices: every rank learns of them all. Into
     # whole tensors (one device, DDP) every rank read the same values.
@@ -375,8 +374,8 @@ class PlannedLoads:
         error: BaseException | None = None
         try:
             for load in self.loads:
-                non_finite = run_plan(root.get_submodule(load.prefix), load.source, load.plan)
-                names.append([] if load.allow_non_finite else non_finite)
+                names.append(run_plan(root.get_submodule(load.prefix), load.source, load.plan,
+                                      check_finite=not load.allow_non_finite))
         except Exception as err:  # noqa: BLE001 - raised below, after every rank has heard of it (none waits)
             error = err
         every = _every_rank([names, None if error is None else f"{type(error).__name__}: {error}"])
