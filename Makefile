@@ -38,7 +38,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/throughput.py --knobs --repeats 2
 	$(PY) benchmarks/throughput.py --tensor-parallel --repeats 2
 	$(PY) benchmarks/auto_layout.py --estimate
-	$(PY) benchmarks/auto_layout.py --contest --repeats 2
+	$(PY) benchmarks/auto_layout.py --contest --repeats 3 --timed 10
 	$(PY) benchmarks/load_pretrained.py --size large --repeats 3
 	$(PY) benchmarks/save.py --sizes small medium large --async-size large --repeats 3
 	$(PY) benchmarks/integrity.py --sizes 1.1 1.5 --repeats 3

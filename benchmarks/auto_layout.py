@@ -50,7 +50,11 @@ from torch.utils.data import DataLoader  # noqa: E402
 
 from tests.helpers import run_distributed  # noqa: E402
 
-SEQ, BATCH, WARMUP, TIMED = 256, 2, 1, 4
+# Three untimed steps: in the 48-layer case "auto"'s first two took up to 1.7x DDP's (one-time set-up), then the two
+# ran even; with one untimed step, its second weighed on a short timing.
+SEQ, BATCH, WARMUP = 256, 2, 3
+# Steps timed per run (``--timed``; read from the environment so that the spawned ranks see it too).
+TIMED = int(os.environ.get("AUTO_LAYOUT_TIMED", "4"))
 SIZES = {**SIZES,  # a deep one: the decoder layers are most of the parameters (sharding saves more than it costs)
          "deep": dict(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=48,
                       num_attention_heads=16)}
@@ -215,7 +219,8 @@ def run_contest(args: argparse.Namespace, out: Path) -> None:
                 rows.setdefault(f"{size} {gib} {name}", {"runs": []})["runs"].append(result)
                 print(size, gib, name, result, flush=True)
     lines = ["`device_mesh=\"auto\"` against DDP and full sharding (`FSDP2Strategy()`), world size 2, Llama + LoRA r=8"
-             f" on q/k/v/o (or every parameter trained: \"full fine-tuning\"), AdamW, fp32, CPU, 1 thread per process, median of {args.repeats}. The device is emulated:"
+             f" on q/k/v/o (or every parameter trained: \"full fine-tuning\"), AdamW, fp32, CPU, 1 thread per process,"
+             f" {TIMED} steps timed per run after {WARMUP} untimed, median of {args.repeats} runs (contenders alternated). The device is emulated:"
              " a process whose resident set grows past what it held when `fit` started plus the device size is killed"
              " (as by the OOM killer), and \"auto\" is given the device size as memory_budget.", "",
              "| model, batch per rank | device per rank | auto chose | auto tokens/s | DDP tokens/s | full sharding"
@@ -236,8 +241,22 @@ def run_contest(args: argparse.Namespace, out: Path) -> None:
         said_size = SIZES_SAID[size.removesuffix("+full")] + (", full fine-tuning" if size.endswith("+full") else "")
         lines.append(f"| {size} ({said_size}), {batch[0]} x {batch[1]} | {gib} GiB | {said} | {shown(auto)} |"
                      f" {shown(ddp)} | {shown(full)} | {ratio(auto, ddp)} | {ratio(auto, full)} |")
+    pairs = []
+    for size, gib, batch in cases:  # each repeat's auto against the DDP run next to it: the machine's drift cancels
+        auto_runs, ddp_runs = rows[f"{size} {gib} auto"]["runs"], rows[f"{size} {gib} ddp"]["runs"]
+        each = [a["tokens_per_s"] / d["tokens_per_s"] for a, d in zip(auto_runs, ddp_runs)
+                if "tokens_per_s" in a and "tokens_per_s" in d]
+        if each:
+            pairs.append(f"{size} {gib} GiB: {', '.join(f'{r:.2f}' for r in each)} (geometric mean"
+                         f" {statistics.geometric_mean(each):.2f})")
+    if pairs:
+        lines += ["", "auto / DDP in each repeat: " + "; ".join(pairs) + "."]
     command = f"python benchmarks/auto_layout.py --contest --cases {' '.join(args.cases)} --repeats {args.repeats}"
-    _write(out / "auto-layout", rows, lines, command)
+    if args.timed != 4:
+        command += f" --timed {args.timed}"
+    if args.name:
+        command += f" --name {args.name}"
+    _write(out / (args.name or "auto-layout"), rows, lines, command)
 
 
 SIZES_SAID = {"small": "58M", "medium": "194M", "large": "551M", "deep": "672M, 48 layers"}
@@ -251,6 +270,7 @@ def _write(stem: Path, rows: dict, lines: list[str], command: str) -> None:
 
 
 def main() -> None:
+    global TIMED
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--estimate", action="store_true", help="the estimate against the measured peak")
     parser.add_argument("--contest", action="store_true", help="auto against DDP and full sharding (default)")
@@ -260,8 +280,12 @@ def main() -> None:
                                                        "medium+full:4:1x64"],
                         help="--contest's cases, SIZE:GIB:SEQUENCESxTOKENS (model, device per rank, batch per rank)")
     parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--timed", type=int, default=TIMED, help="steps timed per run (after one untimed step)")
+    parser.add_argument("--name", default=None, help="--contest's results file (default auto-layout)")
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
+    os.environ["AUTO_LAYOUT_TIMED"] = str(args.timed)
+    TIMED = args.timed
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     if args.estimate:

@@ -41,10 +41,10 @@ SECTIONS = [
      " model sizes (`python benchmarks/auto_layout.py --estimate`)."),
     ("The layout chosen from memory: against DDP and full sharding", "auto-layout", "`device_mesh=\"auto\"` on an"
      " emulated device (each process's memory capped), against Lightning's DDP and `FSDP2Strategy()`, where DDP fits,"
-     " in between, and where it does not (`python benchmarks/auto_layout.py --contest`)."),
+     " in between, and where it does not (`python benchmarks/auto_layout.py --contest --repeats 3 --timed 10`)."),
     ("The layout chosen from memory: the in-between case again", "auto-layout-deep", "The 48-layer model on 3.6 GiB"
-     " alone, 5 repeats (`python benchmarks/auto_layout.py --contest --cases deep:3.6:1x64 --repeats 5 --out DIR`,"
-     " copied to `auto-layout-deep.*`)."),
+     " alone, 5 repeats of 10 timed steps after 3 untimed (`python benchmarks/auto_layout.py --contest --cases"
+     " deep:3.6:1x64 --repeats 5 --timed 10 --name auto-layout-deep`)."),
     ("Start-up: loading a pretrained model", "load_pretrained-large", "load_pretrained on meta against an eager build "
      "plus whole-state-dict load then sharding, against transformers sharding the model itself "
      "(`from_pretrained(..., distributed_config=DistributedConfig(fsdp_size=2))`, which FSDP2Strategy refuses to take "

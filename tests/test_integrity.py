@@ -1,5 +1,6 @@
-"""Checkpoints prove their integrity: a flipped bit in a full or sharded checkpoint is named (file, tensor, rank)
-on every rank before anything is loaded; the option turns the check off; checkpoints without checksums load."""
+"""Checkpoints prove their integrity: a flipped bit in a full or sharded checkpoint, an exported adapter or the
+converter's Hugging Face files is named (file, tensor, rank) on every rank before anything is loaded; the options turn
+the check off; files without checksums load as before."""
 
 from __future__ import annotations
 
@@ -7,15 +8,19 @@ import shutil
 import zipfile
 from pathlib import Path
 
+import lightning as L
 import pytest
+import torch
 
-from lightning_fsdp2 import CheckpointFileError
+from lightning_fsdp2 import CheckpointFileError, FSDP2Strategy, load_pretrained
 from lightning_fsdp2.checkpoint import integrity
 from lightning_fsdp2.checkpoint.safe_dcp import read_dcp_metadata
 from lightning_fsdp2.convert import main as convert_main
 from lightning_fsdp2.convert import read_full_checkpoint
 from tests.helpers import run_distributed
 from tests.integration.test_resume import _resume_expecting_error
+from tests.models import probe_logits, quiet_trainer_kwargs, tiny_llama_config
+from tests.test_lora import FromAdapter
 
 
 def _flip(file: Path, offset: int) -> None:
@@ -85,7 +90,6 @@ def test_a_flipped_bit_in_a_shard_is_named_with_its_tensor(pretrained: Path, sav
 def test_checkpoints_without_checksums_load_as_before(saved: dict, tmp_path: Path) -> None:
     """A torch.save file written without CRC-32s (compute_crc32 off) is read without a check, flipped bit and all;
     an intact full checkpoint passes it; a flipped bit in a sharded checkpoint's meta.pt is found too."""
-    import torch
     from torch.utils.serialization import config
 
     integrity.verify(saved["full"], together=False)
@@ -105,3 +109,89 @@ def test_checkpoints_without_checksums_load_as_before(saved: dict, tmp_path: Pat
     _flip(copy / "meta.pt", _data_offset(copy / "meta.pt", info) + info.file_size // 2)
     with pytest.raises(CheckpointFileError, match=r"meta\.pt: record .*data\.pkl"):
         integrity.verify(copy, together=False)
+
+
+# ------------------------------------------------------------------------------------------------ safetensors exports
+def _flip_tensor(file: Path, name: str | None = None) -> str:
+    """Flip one bit in the middle of tensor ``name`` (default: the largest) of a safetensors file; its name."""
+    import json
+
+    with open(file, "rb") as f:
+        size = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(size))
+    tensors = {k: v for k, v in header.items() if k != "__metadata__"}
+    name = name or max(tensors, key=lambda k: tensors[k]["data_offsets"][1] - tensors[k]["data_offsets"][0])
+    begin, end = tensors[name]["data_offsets"]
+    _flip(file, 8 + size + (begin + end) // 2)
+    return name
+
+
+def _load_adapter_expecting_error(pretrained: str, adapter: str, verify: bool) -> str:
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), **quiet_trainer_kwargs())
+    try:
+        trainer.validate(FromAdapter(pretrained, adapter, verify), verbose=False)
+    except CheckpointFileError as err:
+        return f"CheckpointFileError: {err}"
+    return "no error"
+
+
+def test_a_flipped_bit_in_an_exported_adapter_is_named_on_every_rank(pretrained: Path, tmp_path: Path) -> None:
+    """save_adapter records each tensor's CRC-32 in the safetensors header (peft still reads the file); a bit flipped
+    in it afterwards fails load_adapter on both ranks of a sharded run, naming file and tensor, before anything is
+    read; verify=False loads it; an adapter peft wrote itself (no checksums) loads as before."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+    from safetensors import safe_open
+    from transformers import AutoModelForCausalLM
+
+    from lightning_fsdp2.lora import save_adapter
+
+    torch.manual_seed(0)
+    model = get_peft_model(AutoModelForCausalLM.from_pretrained(pretrained),
+                           LoraConfig(r=4, target_modules=["q_proj", "v_proj"]))
+    for name, param in model.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(param)
+    save_adapter(model, tmp_path / "adapter")
+    file = tmp_path / "adapter" / "adapter_model.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        assert integrity.CRC_KEY in f.metadata() and f.metadata()["format"] == "pt"
+    reloaded = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(pretrained), tmp_path / "adapter")
+    assert torch.allclose(probe_logits(reloaded), probe_logits(model))
+    model.save_pretrained(tmp_path / "peft-own")  # peft's own writer: no checksums
+    _flip_tensor(tmp_path / "peft-own" / "adapter_model.safetensors")
+    integrity.verify_safetensors([tmp_path / "peft-own" / "adapter_model.safetensors"], together=False, turn_off="")
+
+    integrity.verify_safetensors([file], together=False, turn_off="")  # intact: passes
+    flipped = _flip_tensor(file)
+    messages = run_distributed(_load_adapter_expecting_error, 2, str(pretrained), str(tmp_path / "adapter"), True)
+    assert messages[0] == messages[1], "every rank raises the same error"
+    assert messages[0].startswith(f"CheckpointFileError: The weights file {file} is damaged"), messages[0]
+    assert f"adapter_model.safetensors: tensor {flipped!r} (found by rank " in messages[0], messages[0]
+    assert "verify=False" in messages[0], messages[0]
+    assert run_distributed(_load_adapter_expecting_error, 2, str(pretrained), str(tmp_path / "adapter"), False) == [
+        "no error"] * 2
+
+
+def test_a_flipped_bit_in_the_converters_hf_output_is_named(saved: dict, tmp_path: Path) -> None:
+    """The converter's Hugging Face files carry each tensor's CRC-32 (from_pretrained reads them as before);
+    load_pretrained verifies them: a flipped bit is named; verify=False loads the damaged value."""
+    from transformers import LlamaForCausalLM
+
+    from lightning_fsdp2.convert import to_hf_safetensors
+
+    out = to_hf_safetensors(saved["full"], tmp_path / "hf", config_from=None)
+    (out / "config.json").write_text(tiny_llama_config().to_json_string())
+    # Copied out: from_pretrained's tensors may stay mapped to the file, which is damaged below.
+    intact = {k: v.clone() for k, v in LlamaForCausalLM.from_pretrained(out).state_dict().items()}
+    loaded = LlamaForCausalLM(tiny_llama_config())
+    load_pretrained(loaded, out)
+    assert all(torch.equal(v, intact[k]) for k, v in loaded.state_dict().items())
+
+    file = out / "model.safetensors"
+    flipped = _flip_tensor(file)
+    with pytest.raises(CheckpointFileError, match=rf"model\.safetensors: tensor {flipped!r} \(found by rank 0\).*"
+                       r"Nothing was loaded.*verify=False"):
+        load_pretrained(LlamaForCausalLM(tiny_llama_config()), out)
+    anyway = LlamaForCausalLM(tiny_llama_config())
+    load_pretrained(anyway, out, verify=False)
+    assert not torch.equal(anyway.state_dict()[flipped], intact[flipped])

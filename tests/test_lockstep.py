@@ -49,7 +49,7 @@ def _rank0_samples_alone(how: str, out: str) -> None:
         fabric.backward(model(input_ids=batch, labels=batch).loss)  # the next training step
         outcome["error"] = None
     except Exception as err:  # noqa: BLE001 - the test reads what each rank saw
-        outcome["error"] = str(err)
+        outcome["error"], outcome["type"] = str(err), type(err).__name__
         raise
     finally:
         outcome["elapsed"] = time.monotonic() - start
@@ -64,6 +64,7 @@ def test_a_forward_on_rank_0_alone_fails_within_the_bound_on_both_ranks(how: str
     rank1 = json.loads((tmp_path / "1.json").read_text())
     assert "every rank must run it" in rank0["error"], rank0["error"]
     assert "unmatched_forward_timeout" in rank0["error"]
+    assert rank0["type"] == "PeerLostError", rank0  # the forward's peer-watch phase passed it on as it is
     assert BOUND - 0.5 <= rank0["elapsed"] <= BOUND + 10, rank0["elapsed"]
     # Rank 1 went on to its training step, whose all-gathers rank 0 never joins: it fails once rank 0 has exited,
     # not at the process group's timeout (30 minutes).
@@ -172,6 +173,46 @@ def test_a_rank_stuck_in_its_own_code_is_named_within_the_bound(tmp_path: Path) 
     assert rank0["elapsed"] <= 4 * BOUND, rank0  # the bound after a few quick steps, not rank 1's sleep
     # Rank 1, back from its sleep, finds rank 0 (and the store it served) gone, and says so.
     assert rank1["type"] == "PeerLostError" and "rank 0, whose store holds them, has probably exited" in rank1["error"]
+
+
+def _fabric_stuck(out: str) -> None:
+    """A Fabric loop (forward, backward, step) in which rank 1 sleeps in its own code before its third forward."""
+    from transformers import LlamaForCausalLM
+
+    from lightning_fsdp2.fabric import FSDP2Strategy
+
+    fabric = L.Fabric(accelerator="cpu", devices=world(), strategy=FSDP2Strategy(peer_timeout=BOUND))
+    fabric.launch()
+    with fabric.init_module():
+        model = LlamaForCausalLM(tiny_llama_config())
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=1e-3))
+    batch = torch.randint(0, 128, (2, 8))
+
+    def train() -> None:
+        for step in range(4):
+            if fabric.global_rank == 1 and step == 2:
+                time.sleep(4 * BOUND)
+            fabric.backward(model(input_ids=batch, labels=batch).loss)
+            optimizer.step()
+            optimizer.zero_grad()
+
+    _timed(train, out, fabric.global_rank)
+
+
+def test_under_fabric_a_rank_stuck_before_its_forward_is_named_within_the_bound(tmp_path: Path) -> None:
+    """Fabric's forwards are the user's calls: the precision plugin's forward_context (which Fabric's module wrapper
+    runs around each) makes them phases. Rank 0, in its third forward's all-gather, raises PeerLostError after the
+    bound, saying rank 1 is between steps at the batch before (stuck or slow), not gloo's bare timeout."""
+    with pytest.raises(RuntimeError):
+        run_distributed(_fabric_stuck, 2, str(tmp_path), timeout=180)
+    rank0, rank1 = _outcomes(tmp_path)
+    assert rank0["type"] == "PeerLostError", rank0
+    assert "Rank 0 waited in a collective (in the model's forward (training batch 3))" in rank0["error"], rank0
+    assert "rank 1: between steps (training batch 2 done)" in rank0["error"], rank0["error"]
+    assert "stuck in its own code" in rank0["error"], rank0["error"]
+    assert rank0["elapsed"] <= 4 * BOUND, rank0
+    assert rank1["type"] == "PeerLostError", rank1
 
 
 @pytest.mark.slow  # two bounds of waiting, like the test above

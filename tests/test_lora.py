@@ -33,9 +33,9 @@ def _train_and_export(pretrained: str, out: str) -> dict:
 class FromAdapter(L.LightningModule):
     """Starts from a pretrained base and saved adapters; records logits in validation."""
 
-    def __init__(self, pretrained: str, adapter: str) -> None:
+    def __init__(self, pretrained: str, adapter: str, verify: bool = True) -> None:
         super().__init__()
-        self.pretrained, self.adapter = pretrained, adapter
+        self.pretrained, self.adapter, self.verify = pretrained, adapter, verify
         self.model = None
         self.logits: list[torch.Tensor] = []
 
@@ -48,7 +48,7 @@ class FromAdapter(L.LightningModule):
         base = LlamaForCausalLM(tiny_llama_config())
         load_pretrained(base, self.pretrained)
         self.model = get_peft_model(base, LoraConfig.from_pretrained(self.adapter))
-        load_adapter(self.model, self.adapter)
+        load_adapter(self.model, self.adapter, verify=self.verify)
 
     def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
         self.logits.append(self.model(input_ids=batch).logits.detach().float())

@@ -103,6 +103,9 @@ def to_hf_safetensors(
     find its weights under those names, and merging needs the adapter's configuration, which the checkpoint does not
     hold. Export merged weights or adapters from the run (``lora.save_merged``, ``lora.save_adapter``), or pass
     ``keep_peft_names=True`` to write peft's names anyway, for ``load_pretrained`` (which reads them).
+
+    Every file's header records the CRC-32 of each tensor (under ``"lightning_fsdp2.crc32"`` in its metadata;
+    ``from_pretrained`` ignores it), which ``load_pretrained`` verifies before reading.
     """
     import shutil
 
@@ -126,8 +129,11 @@ def to_hf_safetensors(
         )
     dst = Path(dst)
 
+    # Each tensor's CRC-32 in every file's header (safetensors has none): load_pretrained verifies them.
+    checksums = integrity.checksum_metadata(weights)
+
     def write(tmp: Path) -> None:
-        save_torch_state_dict(weights, tmp, max_shard_size=max_shard_size)
+        save_torch_state_dict(weights, tmp, max_shard_size=max_shard_size, metadata=checksums)
         if config_from is not None:
             for file in Path(config_from).iterdir():
                 if file.is_file() and (file.name in _CONFIG_FILES or file.name.startswith("tokenizer")):

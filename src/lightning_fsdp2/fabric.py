@@ -71,7 +71,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
     ``device_mesh`` (``"auto"`` too), ``memory_budget``, ``batch_shape``, ``tensor_parallel_size``, ``tensor_parallel_plan``, ``compile``, ``forward_prefetch``,
     ``backward_prefetch``, ``reshard_last_block``,
     ``offload_activations``, ``unmatched_forward_timeout``, ``peer_timeout`` (from the second ``fabric.backward``
-    on; the phases seen are ``backward``, the optimizer step, saving and loading), ``meta_init`` (what ``fabric.init_module()`` does when
+    on; the phases seen are the model's forward, ``backward``, the optimizer step, saving and loading), ``meta_init`` (what ``fabric.init_module()`` does when
     ``empty_init`` is not given), ``process_group_backend``, ``timeout``, ``state_dict_type``,
     ``save_trainable_only`` and ``verify_checkpoints`` (``fabric.load`` and ``fabric.load_raw``). Not here: ``start_method`` (Fabric starts processes by re-running the script, or
     runs under torchrun/SLURM) and ``async_save``.
@@ -179,6 +179,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
     def setup_environment(self) -> None:
         """Start the process group and build the device mesh (``fabric.launch()`` calls this on every rank)."""
         self._start_processes()
+        self.precision.peer_watch = self._peer_watch  # Fabric's forwards run in the plugin's forward_context
 
     # ---------------------------------------------------------------- the model's road
     def module_init_context(self, empty_init: bool | None = None) -> AbstractContextManager:

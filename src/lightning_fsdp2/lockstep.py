@@ -51,7 +51,8 @@ def guard_forwards(roots: Sequence[nn.Module], timeout: float | None) -> None:
         try:
             barrier(group=group, timeout=bound, wait_all_ranks=True)
         except RuntimeError as err:
-            raise RuntimeError(
+            # A PeerLostError (a RuntimeError): the peer-watch phase around a Fabric forward passes it on as it is.
+            raise PeerLostError(
                 f"Rank {dist.get_rank()} ran a forward of the sharded {type(module).__name__} outside training that"
                 f" not every rank ran within {timeout:g} s (FSDP2Strategy(unmatched_forward_timeout=...)), or that"
                 " another rank reached more than that later (rank-0-only work just before it: then raise the bound). Each"
@@ -84,7 +85,8 @@ def _checked(method: Any, check: Any, root: nn.Module) -> Any:
 # ------------------------------------------------------------------------------------------ peers that moved on
 class PeerLostError(RuntimeError):
     """A collective failed (timed out, or a peer's connection closed) because another rank did not take part:
-    the message names each rank's last phase."""
+    the message names each rank's last phase; or a forward outside training that not every rank ran (its message
+    says so)."""
 
 
 _SAVING = ("lightning_module_state_dict", "optimizer_state", "save_checkpoint")
@@ -92,6 +94,7 @@ _PHASES = {  # the strategy's methods, as a user knows them
     "lightning_module_state_dict": "saving a checkpoint", "optimizer_state": "saving a checkpoint",
     "save_checkpoint": "saving a checkpoint", "load_checkpoint": "loading a checkpoint",
     "load_model_state_dict": "loading a checkpoint", "load_optimizer_state_dict": "loading a checkpoint",
+    "forward": "in the model's forward",
 }
 
 
@@ -248,8 +251,11 @@ class PeerWatch:
             dist.distributed_c10d._set_pg_timeout(bound, group)
 
     def _batch(self) -> int:
-        """Training batches begun: ``training_step`` calls (the Trainer), else ``backward`` calls (Fabric)."""
-        return self._counts.get("training_step") or self._counts.get("backward", 0)
+        """Training batches begun: ``training_step`` calls (the Trainer), else ``backward`` calls (Fabric), one more
+        inside a forward (Fabric's: it begins the batch that its ``backward`` counts)."""
+        if self._counts.get("training_step"):
+            return self._counts["training_step"]
+        return self._counts.get("backward", 0) + (self._phase is not None and self._phase[0] == "forward")
 
     def _describe(self, phase: tuple[str, int] | None) -> str:
         batch = self._batch()

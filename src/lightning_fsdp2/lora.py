@@ -35,6 +35,7 @@ from lightning_fsdp2.checkpoint.files import (
     on_rank0,
     stale_safetensors_weights,
 )
+from lightning_fsdp2.checkpoint.integrity import add_checksums, checksum_metadata
 from lightning_fsdp2.checkpoint.plan import tied_aliases
 from lightning_fsdp2.checkpoint.pretrained import declare_load
 from lightning_fsdp2.checkpoint.shards import gather_to_rank0
@@ -64,8 +65,8 @@ def save_adapter(module: nn.Module, directory: str | os.PathLike, *, adapter_nam
     """Write the peft adapter ``adapter_name`` of ``module`` in peft's format; call on every rank.
 
     Each adapter tensor is gathered whole to rank 0 (the other ranks send their slices and keep nothing), and
-    rank 0 writes ``adapter_model.safetensors`` and ``adapter_config.json`` with peft's ``save_pretrained``.
-    Prompt tuning and prefix tuning (without ``prefix_projection``) save their encoder's weight, as peft does.
+    rank 0 writes ``adapter_model.safetensors`` and ``adapter_config.json`` with peft's ``save_pretrained``, then
+    records each tensor's CRC-32 in the safetensors header (verified by :func:`load_adapter`). Prompt tuning and prefix tuning (without ``prefix_projection``) save their encoder's weight, as peft does.
     """
     peft_model = find_peft_model(module)
     if adapter_name not in peft_model.peft_config:
@@ -94,7 +95,8 @@ def save_adapter(module: nn.Module, directory: str | os.PathLike, *, adapter_nam
             from safetensors.torch import save_file
 
             weights = {key: adapter[name_of[id(t)]].contiguous() for key, t in picked.items()}
-            save_file(weights, tmp / SAFETENSORS_WEIGHTS_NAME, metadata={"format": "pt"})
+            metadata = {"format": "pt", **checksum_metadata(weights)}
+            save_file(weights, tmp / SAFETENSORS_WEIGHTS_NAME, metadata=metadata)
             config = copy.deepcopy(peft_model.peft_config[adapter_name])
             config.inference_mode = True  # as peft writes it, with the base model's name and a model card
             if config.base_model_name_or_path is None:
@@ -107,6 +109,8 @@ def save_adapter(module: nn.Module, directory: str | os.PathLike, *, adapter_nam
             for file in (tmp / adapter_name).iterdir():
                 file.rename(tmp / file.name)
             (tmp / adapter_name).rmdir()
+        # peft's writer takes no metadata: its (small) file is written again with the checksums in its header.
+        add_checksums(tmp / "adapter_model.safetensors")
 
     _write_directory(directory, write, "write the adapter", supersedes=None)
     return directory
@@ -161,7 +165,7 @@ def save_merged(
 
 
 def load_adapter(
-    module: nn.Module, source: PretrainedSource, *, strict: bool = True, check_config: bool = True
+    module: nn.Module, source: PretrainedSource, *, strict: bool = True, check_config: bool = True, verify: bool = True
 ) -> None:
     """Start from saved peft adapters: declare that ``module``'s adapter weights come from ``source``.
 
@@ -175,11 +179,12 @@ def load_adapter(
     under its scaling. So where ``adapter_config.json`` beside them differs from the model's active adapter in what
     the adapter computes (``lora_alpha``, ``r``, ``use_rslora``, ``use_dora``, the rank and alpha patterns, the
     method), the load raises, naming both values; ``check_config=False`` loads the tensors into the model's
-    configuration as it is.
+    configuration as it is. An adapter :func:`save_adapter` wrote carries the CRC-32 of each tensor, verified before
+    the load (``verify=False`` skips it; adapters written by peft itself have none and load as before).
     """
     if check_config:
         _check_saved_config(module, source)
-    declare_load(module, source, strict=strict, adapters_only=True)
+    declare_load(module, source, strict=strict, adapters_only=True, verify=verify)
 
 
 _COMPUTES = ("peft_type", "r", "lora_alpha", "use_rslora", "use_dora", "rank_pattern", "alpha_pattern",

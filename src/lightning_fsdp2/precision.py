@@ -232,6 +232,18 @@ class FabricFSDP2Precision(PrecisionCore, FabricPrecision):
     )
     """Fabric's stock plugins (from ``Fabric(precision=...)``) that the strategy turns into this one."""
 
+    peer_watch: Any = None
+    """The strategy's ``PeerWatch``, given by the strategy when its processes start: Fabric's forwards (which run
+    inside :meth:`forward_context`, the one hook Fabric's module wrapper calls) are then phases the other ranks see,
+    and a collective failing in one raises ``PeerLostError``. (The Trainer's strategy marks its steps itself.)"""
+
+    @contextmanager
+    def forward_context(self) -> Generator[None, None, None]:
+        """As the Trainer's, and the forward a phase of the strategy's peer watch (see :attr:`peer_watch`)."""
+        with self.peer_watch.phase("forward") if self.peer_watch is not None else nullcontext():
+            with super().forward_context():
+                yield
+
     def pre_backward(self, tensor: Tensor, module: Module | None) -> Tensor:  # type: ignore[override]
         """Scale the loss under ``"16-mixed"``."""
         return self.scaler.scale(tensor) if self.scaler is not None else tensor

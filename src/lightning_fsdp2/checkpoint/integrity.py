@@ -14,30 +14,39 @@ Nothing reads these CRC-32s back (``torch.load(mmap=True)`` maps the bytes strai
 is read once and compared, before the load: the records are split over the ranks, each reading its share (the
 CRC-32 of a chunk computed on a helper thread while the next is read), so a resume reads the checkpoint's bytes one
 more time in all, in parallel; then every rank learns every mismatch and all raise together, naming the file, the
-tensor and the rank that found it. Writing costs nothing more than torch already does. Not covered: a sharded
-checkpoint's non-tensor items (DCP pickles them raw: an optimizer's ``param_groups``), checkpoints written with
-``compute_crc32`` off, and other formats (safetensors): they load as before. CRC-32 (zlib's) detects every burst of up
-to 32 flipped bits and other damage with probability 1 - 2^-32; it is no defence against deliberate tampering (that
-takes a signature).
+tensor and the rank that found it. Writing costs nothing more than torch already does.
+
+safetensors has no checksum of its own. The safetensors files we write (the converter's Hugging Face directory,
+``lora.save_adapter``'s adapter) record each tensor's CRC-32 in their header's metadata (:data:`CRC_KEY`), computed from
+memory before the write; ``load_pretrained`` and ``lora.load_adapter`` verify them the same way before reading. Not
+covered: a sharded checkpoint's non-tensor items (DCP pickles them raw: an optimizer's ``param_groups``), checkpoints
+written with ``compute_crc32`` off, ``lora.save_merged``'s files (transformers writes them), and files written by
+others: they load as before. CRC-32 (zlib's) detects every burst of up to 32 flipped bits and other damage with
+probability 1 - 2^-32; it is no defence against deliberate tampering (that takes a signature).
 """
 
 from __future__ import annotations
 
 import io
+import json
 import os
 import zipfile
 import zlib
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import torch
 import torch.distributed as dist
+from torch import Tensor
 
 from lightning_fsdp2.checkpoint.files import META_FILENAME, CheckpointFileError
 from lightning_fsdp2.checkpoint.safe_dcp import read_dcp_metadata
 
 CHUNK = 16 << 20  # bytes read at a time while verifying
+
+Check = Callable[[], list[str]]
 
 _executor: ThreadPoolExecutor | None = None
 
@@ -67,18 +76,37 @@ def _crc_of(f: Any, offset: int, length: int) -> int | None:
 
 
 # ------------------------------------------------------------------------------------------------ verifying
+TURN_OFF = ("FSDP2Strategy(verify_checkpoints=False); lightning-fsdp2-convert --no-verify;"
+            " read_full_checkpoint(..., verify=False)")
+
+
 def verify(path: str | os.PathLike, *, together: bool) -> None:
     """Verify the checksums of the checkpoint at ``path`` (a full checkpoint file or a sharded directory); raise a
     :class:`CheckpointFileError` naming each damaged file, tensor and the rank that found it. ``together``: every
     rank calls this, each verifying a share; all raise alike. A checkpoint without checksums passes."""
     path = Path(path)
-    rank, world = (dist.get_rank(), dist.get_world_size()) if together and dist.is_initialized() else (0, 1)
     if path.is_dir():
         pieces = _sharded_pieces(path) + _archive_pieces(path / META_FILENAME)  # meta.pt: a torch.save archive
     elif path.is_file() and zipfile.is_zipfile(path):
         pieces = _archive_pieces(path)
     else:
         return
+    _verify_pieces(pieces, f"The checkpoint {path}", TURN_OFF, together=together)
+
+
+def verify_safetensors(files: list[Path], *, together: bool, turn_off: str) -> None:
+    """Verify the CRC-32s that our exports record in their safetensors headers (:func:`checksum_metadata`) for
+    ``files``; as :func:`verify`. Files without them (written by others) pass. ``turn_off``: how to skip it."""
+    if not files:
+        return
+    pieces = [piece for file in files for piece in _safetensors_pieces(Path(file))]
+    what = f"The weights file {files[0]}" if len(files) == 1 else f"The weights in {Path(files[0]).parent}"
+    _verify_pieces(pieces, what, turn_off, together=together)
+
+
+def _verify_pieces(pieces: list[tuple[int, Check]], what: str, turn_off: str, *, together: bool) -> None:
+    """Run this rank's share of ``pieces`` (all of them without ``together``); raise on every rank what any found."""
+    rank, world = (dist.get_rank(), dist.get_world_size()) if together and dist.is_initialized() else (0, 1)
     found = []
     for check in _shares(pieces, world)[rank][1]:
         try:  # whatever this rank meets, the others hear of it in the gather below (none waits for it)
@@ -92,15 +120,11 @@ def verify(path: str | os.PathLike, *, together: bool) -> None:
     problems = [f"{p} (found by rank {r})" for r, found in enumerate(everyone) for p in found]
     if problems:
         raise CheckpointFileError(
-            f"The checkpoint {path} is damaged: its data does not match the checksums written with it: "
+            f"{what} is damaged: its data does not match the checksums written with it: "
             + "; ".join(problems[:10]) + (f"; and {len(problems) - 10} more" if len(problems) > 10 else "")
-            + ". Nothing was loaded. Restore it from a copy, or resume from another checkpoint (the storage may be"
-            " failing); to load it anyway, turn verification off (FSDP2Strategy(verify_checkpoints=False);"
-            " lightning-fsdp2-convert --no-verify; read_full_checkpoint(..., verify=False))."
+            + ". Nothing was loaded. Restore it from a copy, or load another checkpoint (the storage may be"
+            f" failing); to load it anyway, turn verification off ({turn_off})."
         )
-
-
-Check = Callable[[], list[str]]
 
 
 def _shares(pieces: list[tuple[int, Check]], world: int) -> list[tuple[int, list[Check]]]:
@@ -151,7 +175,6 @@ def _archive_pieces(path: Path) -> list[tuple[int, Check]]:
 def _record_names(path: Path) -> dict[str, str]:
     """Archive record name -> the checkpoint entries whose tensors it holds (``state_dict.layer.weight``), read from
     the pickle without rebuilding any tensor (only on a mismatch, for the message)."""
-    import torch
     from torch import _weights_only_unpickler
 
     try:
@@ -258,3 +281,72 @@ class _Window(io.RawIOBase):
         data = self._f.read(n)
         self._pos += len(data)
         return data
+
+
+# ------------------------------------------------------------------------------------------------ safetensors
+CRC_KEY = "lightning_fsdp2.crc32"
+"""The key, in a safetensors file's header metadata (``__metadata__``, strings only), under which our exports record
+the CRC-32 of each tensor's bytes: ``{name: crc}`` as JSON. safetensors itself has no checksum; transformers, peft
+and safetensors read such files as any other (they look only at ``"format"``)."""
+
+
+def checksum_metadata(tensors: Mapping[str, Tensor]) -> dict[str, str]:
+    """``{CRC_KEY: ...}`` for ``tensors``: the CRC-32 of each one's bytes as safetensors writes them (contiguous, in
+    order; little-endian, as this machine stores them), computed from memory before the write, a few tensors at a time
+    on helper threads (zlib releases the GIL). Pass it (with ``"format": "pt"``) as the file's ``metadata``."""
+    def crc(t: Tensor) -> int:
+        t = t.detach()
+        if t.numel() == 0:
+            return 0
+        return zlib.crc32(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
+
+    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="lightning_fsdp2-crc32") as pool:
+        values = dict(zip(tensors, pool.map(crc, tensors.values())))
+    return {CRC_KEY: json.dumps(values, separators=(",", ":"))}
+
+
+def add_checksums(path: Path) -> None:
+    """Rewrite the safetensors file ``path`` (one another library just wrote for us: peft's adapter file) with
+    :func:`checksum_metadata` in its header. For small files: it is read back and written again."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    with safe_open(str(path), framework="pt") as f:
+        metadata = f.metadata() or {}
+    tensors = load_file(str(path))
+    partial = path.with_name(path.name + ".partial")
+    save_file(tensors, str(partial), metadata={**metadata, **checksum_metadata(tensors)})
+    os.replace(partial, path)
+
+
+def _safetensors_pieces(path: Path) -> list[tuple[int, Check]]:
+    """A safetensors file's tensors that its header records a CRC-32 for, each checked against it (none without)."""
+    try:
+        with open(path, "rb") as f:
+            size = int.from_bytes(f.read(8), "little")
+            if size > 100 << 20:  # safetensors' own limit: not a header; the load names it
+                return []
+            header = json.loads(f.read(size))
+        recorded = (header.get("__metadata__") or {}).get(CRC_KEY)
+    except (OSError, ValueError, AttributeError):
+        return []  # not a readable safetensors header: safetensors names it at the load
+    if recorded is None:
+        return []  # written by others, or by us before checksums
+    try:
+        expected = json.loads(recorded)
+    except ValueError:  # the header itself was damaged
+        return [(0, lambda: [f"{path.name}: the header's checksums ({CRC_KEY}) are unreadable"])]
+    base, opened = 8 + size, {}
+
+    def check(name: str, begin: int, end: int) -> list[str]:
+        if "file" not in opened:
+            opened["file"] = open(path, "rb")  # noqa: SIM115 - one per rank, for all its tensors in this file
+        try:
+            actual = _crc_of(opened["file"], base + begin, end - begin)
+        except OSError as err:
+            return [f"{path.name}: tensor {name!r} ({type(err).__name__}: {err})"]
+        return [] if actual == expected[name] else [f"{path.name}: tensor {name!r}"]
+
+    return [(end - begin, lambda n=name, b=begin, e=end: check(n, b, e))
+            for name, info in header.items() if name in expected and isinstance(info, dict)
+            for begin, end in [info.get("data_offsets", (0, 0))]]

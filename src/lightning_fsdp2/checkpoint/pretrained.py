@@ -13,10 +13,17 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor
 
+from lightning_fsdp2.checkpoint import integrity
 from lightning_fsdp2.checkpoint.files import CheckpointFileError
 from lightning_fsdp2.checkpoint.module_load import load_through_model, uses_own_load_hooks
 from lightning_fsdp2.checkpoint.plan import LoadPlan, align_prefixes, listing, plan_load, run_plan
-from lightning_fsdp2.checkpoint.sources import ConvertedSource, PretrainedSource, TensorSource, open_source
+from lightning_fsdp2.checkpoint.sources import (
+    ConvertedSource,
+    PretrainedSource,
+    TensorSource,
+    open_source,
+    safetensors_files,
+)
 from lightning_fsdp2.quantize import NF4Weight, check_nf4_targets, check_quantize, nf4_targets, quantize_weights
 from lightning_fsdp2.peft_support import adapter_names, adapter_tensors, canonical_name, is_adapter_key, peft_saved
 
@@ -33,6 +40,7 @@ class _LoadCall:
     skip: Sequence[str] = ()
     allow_cast: bool = False
     allow_non_finite: bool = False
+    verify: bool = True
 
 
 class DeferredLoads:
@@ -73,7 +81,8 @@ class DeferredLoads:
                 allow_cast=call.allow_cast,
             )
             nf4 = nf4_targets(call.module, list(plan.copies), call.skip) if call.quantize else []
-            loads.append(PlannedLoad(prefixes[id(call.module)], source, plan, nf4, call.allow_non_finite))
+            loads.append(PlannedLoad(prefixes[id(call.module)], source, plan, nf4, call.allow_non_finite,
+                                     call.verify))
         return PlannedLoads(loads)
 
 
@@ -89,6 +98,7 @@ def load_pretrained(
     skip: Sequence[str] = (),
     allow_cast: bool = False,
     allow_non_finite: bool = False,
+    verify: bool = True,
 ) -> None:
     """Declare that ``module``'s initial weights come from ``source``; call it in ``configure_model``.
 
@@ -123,14 +133,17 @@ def load_pretrained(
         allow_cast: load integer or bool tensors into floating-point parameters (and the reverse), cast as
             ``Tensor.copy_`` casts them, instead of raising.
         allow_non_finite: load parameters holding NaN or infinite values as they are, instead of raising.
+        verify: check the CRC-32s that our exports (``lightning-fsdp2-convert --to hf``, ``lora.save_adapter``)
+            record in their safetensors headers before reading (files without them load as before).
 
     Raises:
         CheckpointFileError: listing missing or unexpected keys, or naming a key whose shapes differ, whose
-            integer/bool and floating-point types differ, or whose values are not finite (on every rank).
+            integer/bool and floating-point types differ, or whose values are not finite, or a file whose data does
+            not match its recorded checksums (on every rank).
     """
     check_quantize(quantize, skip)
     declare_load(module, source, strict=strict, adapters_only=False, quantize=quantize, skip=tuple(skip),
-                 allow_cast=allow_cast, allow_non_finite=allow_non_finite)
+                 allow_cast=allow_cast, allow_non_finite=allow_non_finite, verify=verify)
 
 
 def declare_load(
@@ -143,6 +156,7 @@ def declare_load(
     skip: Sequence[str] = (),
     allow_cast: bool = False,
     allow_non_finite: bool = False,
+    verify: bool = True,
 ) -> None:
     """:func:`load_pretrained`, and with ``adapters_only`` the loading of saved peft adapters (``lora.load_adapter``):
     then the source must cover every adapter parameter and need not cover the base model."""
@@ -183,8 +197,11 @@ def declare_load(
                 " the model for real to load at once."
             )
         collector._loads.append(
-            _LoadCall(module, source, strict, adapters_only, quantize, skip, allow_cast, allow_non_finite))
+            _LoadCall(module, source, strict, adapters_only, quantize, skip, allow_cast, allow_non_finite, verify))
         return
+    if verify:  # a real model: each rank reads whole tensors, so each verifies the whole files (no collective: a
+        # load on one rank alone, as one-device code may do, must not wait for the others)
+        integrity.verify_safetensors(safetensors_files(opened), together=False, turn_off=_TURN_OFF)
     nf4 = nf4_targets(module, list(plan.copies), skip) if quantize else []
     if nf4:  # built for real: quantized at once (the weights freeze now; peft freezes the base anyway)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -321,6 +338,7 @@ class PlannedLoad:
     plan: LoadPlan
     nf4: list[str]
     allow_non_finite: bool = False
+    verify: bool = True
 
 
 @dataclass
@@ -370,6 +388,9 @@ class PlannedLoads:
         a NaN or an infinity into a parameter (unless that load allows it), or failed to read. Call on every rank."""
         if not self.loads:
             return
+        for load in self.loads:  # before anything is read; every rank verifies a share of the files, all raise alike
+            if load.verify:
+                integrity.verify_safetensors(safetensors_files(load.source), together=True, turn_off=_TURN_OFF)
         names: list[list[str]] = []
         error: BaseException | None = None
         try:
@@ -390,6 +411,9 @@ class PlannedLoads:
             if by_rank:
                 where = type(root.get_submodule(load.prefix)).__name__
                 raise CheckpointFileError(_non_finite_message(where, load.source, load.plan, by_rank))
+
+
+_TURN_OFF = "load_pretrained(..., verify=False), lora.load_adapter(..., verify=False)"
 
 
 def _every_rank(mine: Any) -> list[Any]:

@@ -129,6 +129,15 @@ class SafetensorsSource:
         """The file holding ``key``."""
         return str(self._files[key])
 
+    def files(self) -> list[Path]:
+        """The files read, in order."""
+        return sorted(set(self._files.values()))
+
+
+def safetensors_files(source: TensorSource) -> list[Path]:
+    """The safetensors files ``source`` reads (none for other formats), for verifying their checksums."""
+    return source.files() if isinstance(source, (SafetensorsSource, ConvertedSource)) else []
+
 
 def open_source(source: PretrainedSource) -> TensorSource:
     """Open a state dict, a checkpoint file or a Hugging Face model directory for slice-wise reading."""
@@ -290,6 +299,10 @@ class ConvertedSource:
                 rest = (slice(None), *index[1:])
                 return self._build(key, experts=slice(experts.start, experts.stop))[rest]
         return self._build(key)[index]
+
+    def files(self) -> list[Path]:
+        """The safetensors files of the converted source (see :func:`safetensors_files`)."""
+        return safetensors_files(self._source)
 
     def where(self, key: str) -> str:
         """Where the tensor (or the first of those it is fused from) comes from."""
