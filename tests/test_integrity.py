@@ -195,3 +195,24 @@ def test_a_flipped_bit_in_the_converters_hf_output_is_named(saved: dict, tmp_pat
     anyway = LlamaForCausalLM(tiny_llama_config())
     load_pretrained(anyway, out, verify=False)
     assert not torch.equal(anyway.state_dict()[flipped], intact[flipped])
+
+    # Split into several files, huggingface_hub writes the given metadata in the index, not the headers: verified
+    # from there.
+    split = to_hf_safetensors(saved["full"], tmp_path / "hf-split", max_shard_size="40KB")
+    files = sorted(split.glob("*.safetensors"))
+    assert len(files) > 2 and (split / "model.safetensors.index.json").is_file()
+    (split / "config.json").write_text(tiny_llama_config().to_json_string())
+    load_pretrained(LlamaForCausalLM(tiny_llama_config()), split)
+    flipped = _flip_tensor(files[1])
+    with pytest.raises(CheckpointFileError, match=rf"The weights in {split} is damaged.*{files[1].name}: tensor"
+                       rf" {flipped!r} \(found by rank 0\)"):
+        load_pretrained(LlamaForCausalLM(tiny_llama_config()), split)
+
+    # A file written without metadata (add_checksums adds peft's files' checksums) keeps a format transformers reads.
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    save_file({"w": torch.ones(3)}, tmp_path / "bare.safetensors")
+    integrity.add_checksums(tmp_path / "bare.safetensors")
+    with safe_open(str(tmp_path / "bare.safetensors"), framework="pt") as f:
+        assert f.metadata()["format"] == "pt" and integrity.CRC_KEY in f.metadata()

@@ -104,8 +104,9 @@ def to_hf_safetensors(
     hold. Export merged weights or adapters from the run (``lora.save_merged``, ``lora.save_adapter``), or pass
     ``keep_peft_names=True`` to write peft's names anyway, for ``load_pretrained`` (which reads them).
 
-    Every file's header records the CRC-32 of each tensor (under ``"lightning_fsdp2.crc32"`` in its metadata;
-    ``from_pretrained`` ignores it), which ``load_pretrained`` verifies before reading.
+    The CRC-32 of each tensor is recorded under ``"lightning_fsdp2.crc32"`` in the file's header metadata (one file),
+    or in the index's metadata (several: huggingface_hub puts given metadata there when it splits); ``from_pretrained``
+    ignores it, ``load_pretrained`` verifies it before reading.
     """
     import shutil
 
@@ -129,7 +130,8 @@ def to_hf_safetensors(
         )
     dst = Path(dst)
 
-    # Each tensor's CRC-32 in every file's header (safetensors has none): load_pretrained verifies them.
+    # Each tensor's CRC-32 in the file's header, or the index's when split (safetensors has none): load_pretrained
+    # verifies them.
     checksums = integrity.checksum_metadata(weights)
 
     def write(tmp: Path) -> None:

@@ -17,11 +17,12 @@ more time in all, in parallel; then every rank learns every mismatch and all rai
 tensor and the rank that found it. Writing costs nothing more than torch already does.
 
 safetensors has no checksum of its own. The safetensors files we write (the converter's Hugging Face directory,
-``lora.save_adapter``'s adapter) record each tensor's CRC-32 in their header's metadata (:data:`CRC_KEY`), computed from
-memory before the write; ``load_pretrained`` and ``lora.load_adapter`` verify them the same way before reading. Not
-covered: a sharded checkpoint's non-tensor items (DCP pickles them raw: an optimizer's ``param_groups``), checkpoints
-written with ``compute_crc32`` off, ``lora.save_merged``'s files (transformers writes them), and files written by
-others: they load as before. CRC-32 (zlib's) detects every burst of up to 32 flipped bits and other damage with
+``lora.save_adapter``'s adapter) record each tensor's CRC-32 in their header's metadata (:data:`CRC_KEY`; a converter
+export split into several files, in its index's metadata), computed from memory before the write;
+``load_pretrained`` and ``lora.load_adapter`` verify them the same way before reading. Not covered: a sharded
+checkpoint's non-tensor items (DCP pickles them raw: an optimizer's ``param_groups``), checkpoints written with
+``compute_crc32`` off, ``lora.save_merged``'s files (transformers writes them), and files written by others: they
+load as before. CRC-32 (zlib's) detects every burst of up to 32 flipped bits and other damage with
 probability 1 - 2^-32; it is no defence against deliberate tampering (that takes a signature).
 """
 
@@ -49,6 +50,14 @@ CHUNK = 16 << 20  # bytes read at a time while verifying
 Check = Callable[[], list[str]]
 
 _executor: ThreadPoolExecutor | None = None
+_opened: list[Any] = []  # files opened by this rank's checks, closed when its verification ends
+
+
+def _open(path: Path, opener: Callable[[Path], Any] = lambda p: open(p, "rb")) -> Any:  # noqa: SIM115
+    """Open ``path`` for a check; :func:`_verify_pieces` closes it once this rank's share is done."""
+    f = opener(path)
+    _opened.append(f)
+    return f
 
 
 def _helper() -> ThreadPoolExecutor:
@@ -99,7 +108,8 @@ def verify_safetensors(files: list[Path], *, together: bool, turn_off: str) -> N
     ``files``; as :func:`verify`. Files without them (written by others) pass. ``turn_off``: how to skip it."""
     if not files:
         return
-    pieces = [piece for file in files for piece in _safetensors_pieces(Path(file))]
+    indexed = {d: _index_checksums(d) for d in {Path(file).parent for file in files}}
+    pieces = [piece for file in files for piece in _safetensors_pieces(Path(file), indexed[Path(file).parent])]
     what = f"The weights file {files[0]}" if len(files) == 1 else f"The weights in {Path(files[0]).parent}"
     _verify_pieces(pieces, what, turn_off, together=together)
 
@@ -108,11 +118,15 @@ def _verify_pieces(pieces: list[tuple[int, Check]], what: str, turn_off: str, *,
     """Run this rank's share of ``pieces`` (all of them without ``together``); raise on every rank what any found."""
     rank, world = (dist.get_rank(), dist.get_world_size()) if together and dist.is_initialized() else (0, 1)
     found = []
-    for check in _shares(pieces, world)[rank][1]:
-        try:  # whatever this rank meets, the others hear of it in the gather below (none waits for it)
-            found += check()
-        except Exception as err:  # noqa: BLE001
-            found.append(f"{type(err).__name__}: {err}")
+    try:
+        for check in _shares(pieces, world)[rank][1]:
+            try:  # whatever this rank meets, the others hear of it in the gather below (none waits for it)
+                found += check()
+            except Exception as err:  # noqa: BLE001
+                found.append(f"{type(err).__name__}: {err}")
+    finally:
+        while _opened:
+            _opened.pop().close()
     everyone = [found]
     if world > 1:
         everyone = [None] * world  # type: ignore[list-item]
@@ -152,12 +166,12 @@ def _archive_pieces(path: Path) -> list[tuple[int, Check]]:
         try:
             if info.compress_type == zipfile.ZIP_STORED:  # torch stores records as they are: read them straight
                 if "file" not in opened:
-                    opened["file"] = open(path, "rb")  # noqa: SIM115 - one per rank, for all its records
+                    opened["file"] = _open(path)  # one per rank, for all its records
                 if _stored_crc(opened["file"], 0, info) != info.CRC:
                     raise zipfile.BadZipFile(f"Bad CRC-32 for file {info.filename!r}")
             else:
                 if "archive" not in opened:
-                    opened["archive"] = zipfile.ZipFile(path)
+                    opened["archive"] = _open(path, zipfile.ZipFile)
                 with opened["archive"].open(info) as record:
                     while record.read(CHUNK):
                         pass
@@ -225,7 +239,7 @@ def _sharded_pieces(path: Path) -> list[tuple[int, Check]]:
 
     def check(fqn: str, name: str, offset: int, length: int) -> list[str]:
         if name not in opened:
-            opened[name] = open(path / name, "rb")  # noqa: SIM115 - kept for the rank's other items in it
+            opened[name] = _open(path / name)  # kept for the rank's other items in it
         f = opened[name]
         try:
             with zipfile.ZipFile(_Window(f, offset, length)) as archive:
@@ -315,12 +329,26 @@ def add_checksums(path: Path) -> None:
         metadata = f.metadata() or {}
     tensors = load_file(str(path))
     partial = path.with_name(path.name + ".partial")
-    save_file(tensors, str(partial), metadata={**metadata, **checksum_metadata(tensors)})
+    save_file(tensors, str(partial), metadata={"format": "pt", **metadata, **checksum_metadata(tensors)})
     os.replace(partial, path)
 
 
-def _safetensors_pieces(path: Path) -> list[tuple[int, Check]]:
-    """A safetensors file's tensors that its header records a CRC-32 for, each checked against it (none without)."""
+def _index_checksums(directory: Path) -> dict[str, int]:
+    """The CRC-32s recorded in the metadata of ``directory``'s safetensors index: given metadata, huggingface_hub's
+    ``save_torch_state_dict`` writes it in each file's header when it writes one file, in the index when it splits."""
+    found: dict[str, int] = {}
+    for index in directory.glob("*.safetensors.index.json"):
+        try:
+            recorded = (json.loads(index.read_text()).get("metadata") or {}).get(CRC_KEY)
+            found.update(json.loads(recorded) if recorded else {})
+        except (OSError, ValueError, AttributeError, TypeError):
+            continue  # not ours, or unreadable: the load names a bad index itself
+    return found
+
+
+def _safetensors_pieces(path: Path, indexed: dict[str, int]) -> list[tuple[int, Check]]:
+    """A safetensors file's tensors that its header (else ``indexed``, its index's) records a CRC-32 for, each
+    checked against it (none without)."""
     try:
         with open(path, "rb") as f:
             size = int.from_bytes(f.read(8), "little")
@@ -330,17 +358,17 @@ def _safetensors_pieces(path: Path) -> list[tuple[int, Check]]:
         recorded = (header.get("__metadata__") or {}).get(CRC_KEY)
     except (OSError, ValueError, AttributeError):
         return []  # not a readable safetensors header: safetensors names it at the load
-    if recorded is None:
+    if recorded is None and not indexed:
         return []  # written by others, or by us before checksums
     try:
-        expected = json.loads(recorded)
+        expected = json.loads(recorded) if recorded is not None else indexed
     except ValueError:  # the header itself was damaged
         return [(0, lambda: [f"{path.name}: the header's checksums ({CRC_KEY}) are unreadable"])]
     base, opened = 8 + size, {}
 
     def check(name: str, begin: int, end: int) -> list[str]:
         if "file" not in opened:
-            opened["file"] = open(path, "rb")  # noqa: SIM115 - one per rank, for all its tensors in this file
+            opened["file"] = _open(path)  # one per rank, for all its tensors in this file
         try:
             actual = _crc_of(opened["file"], base + begin, end - begin)
         except OSError as err:

@@ -199,9 +199,11 @@ def declare_load(
         collector._loads.append(
             _LoadCall(module, source, strict, adapters_only, quantize, skip, allow_cast, allow_non_finite, verify))
         return
-    if verify:  # a real model: each rank reads whole tensors, so each verifies the whole files (no collective: a
-        # load on one rank alone, as one-device code may do, must not wait for the others)
-        integrity.verify_safetensors(safetensors_files(opened), together=False, turn_off=_TURN_OFF)
+    sharded = any(isinstance(p, DTensor) for p in module.parameters())
+    if verify:  # into shards (Fabric's load after set-up) every rank takes part, as in the load's check below; into a
+        # real model each rank verifies the whole files itself, with no collective (one-device code may load on one
+        # rank alone)
+        integrity.verify_safetensors(safetensors_files(opened), together=sharded, turn_off=_TURN_OFF)
     nf4 = nf4_targets(module, list(plan.copies), skip) if quantize else []
     if nf4:  # built for real: quantized at once (the weights freeze now; peft freezes the base anyway)
         world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else 1
@@ -209,7 +211,6 @@ def declare_load(
         planned.check_quantize(module, world, require_frozen=False)
         quantize_weights(planned.take_nf4(module))
     non_finite = run_plan(module, opened, plan, check_finite=not allow_non_finite)
-    sharded = any(isinstance(p, DTensor) for p in module.parameters())
     # Into shards (Fabric's load after set-up) each rank checked its own slices: every rank learns of them all. Into
     # whole tensors (one device, DDP) every rank read the same values.
     by_rank = dict(enumerate(_every_rank([non_finite]) if sharded else [[non_finite]]))
