@@ -228,10 +228,15 @@ def test_a_rank_that_swallowed_an_error_and_moved_on_is_named(tmp_path: Path) ->
     assert all(o["elapsed"] <= 60 for o in outcomes), outcomes
 
 
-def test_a_save_on_rank_0_alone_says_every_rank_must_call_it(tmp_path: Path) -> None:
+def _rank0_alone(how: str, tmp_path: Path) -> dict[str, Any]:
+    """Run :func:`_misbehave` with rank 0 alone saving after ``fit`` (``how``); what rank 0 saw."""
     with pytest.raises(RuntimeError):
-        run_distributed(_misbehave, 2, "save", str(tmp_path), timeout=180)
-    rank0 = json.loads((tmp_path / "0.json").read_text())
+        run_distributed(_misbehave, 2, how, str(tmp_path), timeout=180)
+    return json.loads((tmp_path / "0.json").read_text())
+
+
+def test_a_save_on_rank_0_alone_says_every_rank_must_call_it(tmp_path: Path) -> None:
+    rank0 = _rank0_alone("save", tmp_path)
     assert rank0["type"] == "PeerLostError", rank0
     assert "Every rank must call trainer.save_checkpoint" in rank0["error"], rank0["error"]
     assert "rank 1: finished (its run ended)" in rank0["error"]
@@ -241,9 +246,7 @@ def test_a_save_on_rank_0_alone_says_every_rank_must_call_it(tmp_path: Path) -> 
 
 @pytest.mark.slow  # another fit and a bound of waiting
 def test_an_adapter_export_on_rank_0_alone_says_every_rank_must_call_it(tmp_path: Path) -> None:
-    with pytest.raises(RuntimeError):
-        run_distributed(_misbehave, 2, "adapter", str(tmp_path), timeout=180)
-    rank0 = json.loads((tmp_path / "0.json").read_text())
+    rank0 = _rank0_alone("adapter", tmp_path)
     assert rank0["type"] == "PeerLostError", rank0
     assert "Every rank must call lora.save_adapter" in rank0["error"], rank0["error"]
     assert rank0["elapsed"] <= 2 * BOUND + 10, rank0
