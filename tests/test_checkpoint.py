@@ -332,7 +332,7 @@ def _measure_load_and_save(source: str, config: dict, save_to: str) -> dict:
 @pytest.mark.parametrize("layers", [4, 12])
 def test_memory_per_rank_while_loading_and_saving(layers: int, tmp_path: Path) -> None:
     """68 MB (4 layers) and 140 MB (12 layers) of fp32 weights at world size 2. Loading: each rank's peak is its shard
-    plus about one tensor's slice, under one whole copy of the model (an eager build needs two). Saving a full
+    plus about one tensor's slice, at 12 layers under one whole copy of the model (an eager build needs two). Saving a full
     checkpoint: rank 0 holds about one tensor (the file is streamed), whatever the model size; rank 1 about nothing."""
     config = dict(
         vocab_size=8192, hidden_size=512, intermediate_size=1024, num_hidden_layers=layers, max_position_embeddings=64
@@ -345,12 +345,16 @@ def test_memory_per_rank_while_loading_and_saving(layers: int, tmp_path: Path) -
     largest_kb = max(p.numel() * p.element_size() for p in model.parameters()) // 1024
     del model
     results = run_distributed(_measure_load_and_save, 2, str(tmp_path), config, str(tmp_path / "full.ckpt"))
-    slack_kb = 24 * 1024  # allocator and bookkeeping
+    slack_kb = 32 * 1024  # allocator, arenas and bookkeeping: 13-16 MB here, 20 MB once on a busy CI machine
+    # Shard + one tensor + slack: at 12 layers under one whole copy of the model (what an eager load holds besides
+    # the shard); at 4 layers the slack is too large a part of the model for that comparison.
+    bound_kb = total_kb // 2 + largest_kb + slack_kb
+    if layers == 12:
+        assert bound_kb < 0.9 * total_kb, "the bound must show that no rank holds the whole model"
     for rank, result in enumerate(results):
         print(f"rank {rank}: +{result['load_kb'] / 1024:.1f} MB loading, +{result['save_kb'] / 1024:.1f} MB saving;"
               f" model {total_kb / 1024:.1f} MB, largest tensor {largest_kb / 1024:.1f} MB")
-        assert result["load_kb"] <= total_kb // 2 + largest_kb + slack_kb, (rank, result)
-        assert result["load_kb"] < total_kb, "a rank held as much as the whole model while loading"
+        assert result["load_kb"] <= bound_kb, (rank, result)
     assert results[0]["save_kb"] <= largest_kb + slack_kb, f"rank 0 held more than one tensor while saving: {results[0]}"
     assert results[1]["save_kb"] <= slack_kb, results[1]
     saved = torch.load(tmp_path / "full.ckpt", weights_only=True, mmap=True)["state_dict"]
