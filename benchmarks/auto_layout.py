@@ -72,6 +72,12 @@ class Lora(LoRALlama):
         if self.model is None:
             self.model = build(self.size)
 
+    def configure_optimizers(self) -> torch.optim.Optimizer:
+        # foreach=True: what torch picks by default on CUDA. On CPU its default is a loop over the tensors, which
+        # costs DTensor parameters (FSDP2's: the adapters in every FSDP2 layout) about 0.1 s a step more than DDP's
+        # plain ones in the 48-layer case (145 against 29 ms an update; with foreach 38 against 31).
+        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4, foreach=True)
+
     def train_dataloader(self) -> DataLoader:
         sequences, tokens = self.batch
         n = (WARMUP + TIMED) * sequences * max(self.trainer.world_size, 1)
@@ -274,7 +280,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--estimate", action="store_true", help="the estimate against the measured peak")
     parser.add_argument("--contest", action="store_true", help="auto against DDP and full sharding (default)")
-    parser.add_argument("--sizes", nargs="*", default=["small", "medium", "large", "deep:1x64"],
+    parser.add_argument("--sizes", nargs="*", default=["small", "medium", "large", "deep:1x64", "small+full:1x64",
+                                                         "medium+full:1x64"],
                         help="--estimate's models: SIZE, or SIZE:SEQUENCESxTOKENS for another batch per rank")
     parser.add_argument("--cases", nargs="*", default=["small:4:2x256", "deep:3.6:1x64", "deep:2.9:1x64",
                                                        "medium+full:4:1x64"],
