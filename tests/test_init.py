@@ -80,6 +80,10 @@ def test_meta_init_context_allocates_no_cpu_storage_for_torchs_layers() -> None:
     assert all(p.is_meta for p in [*model.parameters(), *own.parameters()])
     assert counted.nbytes < parameter_bytes / 50, (counted.nbytes, parameter_bytes, buffer_bytes)
     assert not own.table.is_meta and torch.equal(own.table, torch.full((4,), 2.0))
+    # A torch function mode entered inside the block (here torch.device's) passes the calls on: still nothing.
+    with _CpuTensorBytes() as counted, meta_init_context(), torch.device("cpu"):
+        nn.Linear(256, 512)
+    assert counted.nbytes == 0
 
 
 class BufferProbe(LlamaModule):
