@@ -41,7 +41,7 @@ bench: $(STAMP)
 	$(PY) benchmarks/auto_layout.py --contest --repeats 3 --timed 10
 	$(PY) benchmarks/load_pretrained.py --size large --repeats 3
 	$(PY) benchmarks/save.py --sizes small medium large --async-size large --repeats 3
-	$(PY) benchmarks/integrity.py --sizes 1.1 1.5 --repeats 3
+	$(PY) benchmarks/integrity.py --sizes 1.1 1.5 --repeats 5
 	$(PY) benchmarks/memory.py --size large --steps 4
 	$(PY) benchmarks/report.py
 

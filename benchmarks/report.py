@@ -30,8 +30,9 @@ SECTIONS = [
      " lowered) and without, side by side (`python benchmarks/throughput.py --knobs --only fsdp2 fsdp2+no_peer_watch"
      " fsdp2 fsdp2+no_peer_watch --repeats 2 --out DIR`, copied to `peer-watch.*`)."),
     ("Checkpoint checksums", "integrity", "What the CRC-32s of `verify_checkpoints` cost: torch writing them (its"
-     " default) against not, and verifying against reading the same bytes from the page cache and from the disk"
-     " (`python benchmarks/integrity.py --sizes 1.1 1.5 --repeats 3`, as root to drop the page cache)."),
+     " default) against not, to the disk and into memory, and verifying against reading the same bytes from the page"
+     " cache and from the disk; and the candidate digests' speed on one core"
+     " (`python benchmarks/integrity.py --sizes 1.1 1.5 --repeats 5`, as root to drop the page cache)."),
     ("Tensor parallelism", "tensor-parallel", "FSDP over 4, TP 2 x FSDP 2 and TP 4 at world size 4 (one global batch),"
      " each against Lightning's ModelParallelStrategy with the same plan written by hand. On CPUs with gloo TP is"
      " expected to be slower than FSDP: its all-reduces sit on the critical path of every layer, on the same cores"

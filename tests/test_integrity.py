@@ -111,6 +111,62 @@ def test_checkpoints_without_checksums_load_as_before(saved: dict, tmp_path: Pat
         integrity.verify(copy, together=False)
 
 
+@pytest.mark.parametrize("small", [100, 64 << 10], ids=["pieces-on-threads", "pieces-inline"])
+def test_a_record_of_many_chunks_is_verified_piece_by_piece(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                            small: int) -> None:
+    """Verification reads a record in pieces whose CRC-32s it combines: with pieces of 1000 bytes (a 40 KB tensor in
+    41 pieces, the last a partial one), computed on threads or by the reading thread, the intact file passes and a bit
+    flipped in the first, a middle or the last byte is named; a file cut short is named, not read past its end, and a
+    length claimed far beyond the file's is named without reading or cutting it up; an empty tensor passes."""
+    import re
+
+    from safetensors.torch import save_file
+
+    monkeypatch.setattr(integrity, "CHUNK", 1000)
+    monkeypatch.setattr(integrity, "SMALL", small)
+    torch.save({"w": torch.arange(10_000.0), "b": torch.ones(3)}, tmp_path / "intact.pt")
+    integrity.verify(tmp_path / "intact.pt", together=False)
+    with zipfile.ZipFile(tmp_path / "intact.pt") as archive:
+        info = max(archive.infolist(), key=lambda i: i.file_size)
+    assert info.file_size == 40_000
+    for at in (0, info.file_size // 2, info.file_size - 1):
+        copy = tmp_path / f"flipped-{at}.pt"
+        shutil.copy(tmp_path / "intact.pt", copy)
+        _flip(copy, _data_offset(copy, info) + at)
+        with pytest.raises(CheckpointFileError, match=re.escape(f"record {info.filename!r} (tensor 'w')")):
+            integrity.verify(copy, together=False)
+
+    tensors = {"w": torch.arange(10_000.0)}
+    save_file(tensors, tmp_path / "a.safetensors", metadata={"format": "pt", **integrity.checksum_metadata(tensors)})
+    integrity.verify_safetensors([tmp_path / "a.safetensors"], together=False, turn_off="")
+    (tmp_path / "cut.safetensors").write_bytes((tmp_path / "a.safetensors").read_bytes()[:-100])
+    with pytest.raises(CheckpointFileError, match=re.escape("cut.safetensors: tensor 'w' (the file ends before it)")):
+        integrity.verify_safetensors([tmp_path / "cut.safetensors"], together=False, turn_off="")
+    # A damaged header claiming a petabyte: named at once (cutting it into pieces first took minutes and GBs).
+    data = (tmp_path / "a.safetensors").read_bytes()
+    size = int.from_bytes(data[:8], "little")
+    header = data[8:8 + size].decode().replace('"data_offsets":[0,40000]', '"data_offsets":[0,1000000000000000]')
+    (tmp_path / "huge.safetensors").write_bytes(len(header).to_bytes(8, "little") + header.encode() + data[8 + size:])
+    with pytest.raises(CheckpointFileError, match=re.escape("huge.safetensors: tensor 'w' (the file ends before it)")):
+        integrity.verify_safetensors([tmp_path / "huge.safetensors"], together=False, turn_off="")
+    empty = {"e": torch.empty(0)}
+    save_file(empty, tmp_path / "e.safetensors", metadata={"format": "pt", **integrity.checksum_metadata(empty)})
+    integrity.verify_safetensors([tmp_path / "e.safetensors"], together=False, turn_off="")
+
+
+def test_combined_crc32s_equal_zlibs_of_the_whole() -> None:
+    """The chunks' CRC-32s combined (zlib's crc32_combine, which Python's zlib lacks) equal zlib's CRC-32 of the
+    whole, for lengths from 0 up to a few chunks, including odd ones."""
+    import random
+    import zlib
+
+    rng = random.Random(0)
+    for length_a, length_b in [(0, 0), (0, 5), (5, 0), (1, 1), (3, 4096), (4096, 3)] + [
+            (rng.randrange(70_000), rng.randrange(70_000)) for _ in range(30)]:
+        a, b = rng.randbytes(length_a), rng.randbytes(length_b)
+        assert integrity._combine(zlib.crc32(a), zlib.crc32(b), len(b)) == zlib.crc32(a + b), (length_a, length_b)
+
+
 # ------------------------------------------------------------------------------------------------ safetensors exports
 def _flip_tensor(file: Path, name: str | None = None) -> str:
     """Flip one bit in the middle of tensor ``name`` (default: the largest) of a safetensors file; its name."""
