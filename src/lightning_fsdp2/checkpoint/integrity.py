@@ -147,7 +147,6 @@ def _crcs(records: list[_Record], files: _Files) -> list[int | str]:
     pieces of at most :data:`CHUNK` bytes, whose values are combined in order (:func:`_combine`). Reading the bytes
     any other way cost this VM's disk up to twice a plain read: many threads reading at scattered offsets, the files
     mapped into memory (page faults), reads of 4 MB."""
-    values: dict[tuple[int, int], Future[int] | int | str] = {}  # (record, piece's start) -> its CRC-32, or why none
     notes: dict[int, str] = {}  # record -> why it has no CRC-32, known before reading
     sizes: dict[Path, int | str] = {}
     for path in {r.path for r in records}:
@@ -172,8 +171,7 @@ def _crcs(records: list[_Record], files: _Files) -> list[int | str]:
             spans[-1] = (path, spans[-1][1], max(spans[-1][2], start + length), spans[-1][3])
         else:
             spans.append((path, start, start + length, [piece]))
-    if spans:
-        _read_spans(spans, files, values)
+    values = _read_spans(spans, files) if spans else {}
     out: list[int | str] = []
     for i, r in enumerate(records):
         value: int | str = notes.get(i, 0)
@@ -191,10 +189,12 @@ def _crcs(records: list[_Record], files: _Files) -> list[int | str]:
     return out
 
 
-def _read_spans(spans: list[tuple[Path, int, int, list[tuple[Path, int, int, int]]]], files: _Files,
-                values: dict[tuple[int, int], Future[int] | int | str]) -> None:
-    """Read ``spans`` in order into a few reused buffers, their pieces' CRC-32s (or why none) into ``values``: small
-    pieces here, the others on :func:`_threads` threads; a buffer is read into again once its last piece is done."""
+def _read_spans(spans: list[tuple[Path, int, int, list[tuple[Path, int, int, int]]]],
+                files: _Files) -> dict[tuple[int, int], Future[int] | int | str]:
+    """Read ``spans`` in order into a few reused buffers; their pieces' CRC-32s (or why none), by (record, piece's
+    start): small pieces computed here, the others on :func:`_threads` threads; a buffer is read into again once its
+    last piece is done."""
+    values: dict[tuple[int, int], Future[int] | int | str] = {}
     threads = _threads()
     free: queue.SimpleQueue[bytearray] = queue.SimpleQueue()
     size = max(end - start for _, start, end, _ in spans)
@@ -234,6 +234,7 @@ def _read_spans(spans: list[tuple[Path, int, int, list[tuple[Path, int, int, int
                 values[i, begin] = pool.submit(crc, buffer, begin - start, length, left)
             if not large:
                 free.put(buffer)
+    return values
 
 
 def _combine(crc1: int, crc2: int, length2: int) -> int:
@@ -310,7 +311,7 @@ def _verify_pieces(pieces: list[_Piece], what: str, turn_off: str, *, together: 
     found: list[str] = []
     files = _Files()
     try:  # whatever this rank meets, the others hear of it in the gather below (none waits for it)
-        records, share = [], _shares(pieces, world)[rank][1]
+        records, share = [], _shares(pieces, world)[rank]
         for path, offset, length in (read for piece in share for read in piece.reads):
             files.prefetch(path, offset, length)
         for check in (piece.check for piece in share):
@@ -341,7 +342,7 @@ def _verify_pieces(pieces: list[_Piece], what: str, turn_off: str, *, together: 
         )
 
 
-def _shares(pieces: list[_Piece], world: int) -> list[tuple[int, list[_Piece]]]:
+def _shares(pieces: list[_Piece], world: int) -> list[list[_Piece]]:
     """The pieces split over ``world`` ranks, largest first to the least loaded (the same split on every rank); each
     rank's in file order (its archives' directories read in one pass)."""
     loads, shares = [0] * world, [[] for _ in range(world)]  # type: ignore[var-annotated]
@@ -349,7 +350,7 @@ def _shares(pieces: list[_Piece], world: int) -> list[tuple[int, list[_Piece]]]:
         i = min(range(world), key=loads.__getitem__)
         loads[i] += piece.size
         shares[i].append(piece)
-    return [(load, sorted(share, key=lambda p: p.where)) for load, share in zip(loads, shares)]
+    return [sorted(share, key=lambda p: p.where) for share in shares]
 
 
 def _archive_pieces(path: Path) -> list[_Piece]:
@@ -516,7 +517,7 @@ def checksum_metadata(tensors: Mapping[str, Tensor]) -> dict[str, str]:
             return 0
         return zlib.crc32(t.cpu().contiguous().reshape(-1).view(torch.uint8).numpy())
 
-    with ThreadPoolExecutor(max_workers=min(4, os.cpu_count() or 1), thread_name_prefix="lightning_fsdp2-crc32") as pool:
+    with ThreadPoolExecutor(_threads(), thread_name_prefix="lightning_fsdp2-crc32") as pool:
         values = dict(zip(tensors, pool.map(crc, tensors.values())))
     return {CRC_KEY: json.dumps(values, separators=(",", ":"))}
 
