@@ -90,6 +90,9 @@ class PeerLostError(RuntimeError):
 
 
 _SAVING = ("lightning_module_state_dict", "optimizer_state", "save_checkpoint")
+# The phases of a training batch (Fabric's forwards included). Any other phase entered outside them (a barrier, a
+# validation step, a save) comes after the batch it counts, where a peer still between steps may yet join it.
+_TRAINING = ("training_step", "backward", "optimizer_step", "forward")
 _PHASES = {  # the strategy's methods, as a user knows them
     "lightning_module_state_dict": "saving a checkpoint", "optimizer_state": "saving a checkpoint",
     "save_checkpoint": "saving a checkpoint", "load_checkpoint": "loading a checkpoint",
@@ -118,6 +121,8 @@ class PeerWatch:
         self._since = time.monotonic()  # when the current phase began
         self._counts: dict[str, int] = {}
         self._saving = 0  # phases of a save entered and not left (the collectives of a save run in inner phases)
+        self._training = 0  # phases of a training batch entered and not left: the rank is inside that batch
+        self._lost_at: tuple[int, bool] | None = None  # (batch, inside it) where a collective of this rank failed
         self._armed = False
         self._final: str | None = None  # this rank's last word (finished, stopped by ...) once published
         self._groups: Callable[[], Sequence[Any]] = tuple
@@ -146,23 +151,26 @@ class PeerWatch:
             dist.distributed_c10d._set_pg_timeout(self._base, None)
         self._store = dist.PrefixStore("lightning_fsdp2/peers/", dist.distributed_c10d._get_default_store())
         self._groups, self._counts, self._armed, self._final, self._phase = groups, {}, False, None, None
+        self._lost_at = None
         self._publish("setting up")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, args=(self._stop,), name="lightning_fsdp2-peer-watch",
                                         daemon=True)
         self._thread.start()
 
-    def stop(self, state: str) -> None:
+    def stop(self, state: str, error: BaseException | None = None) -> None:
         """Publish ``state`` (``finished``, ``stopped by ValueError``) as this rank's last word, unless one is
         published already (a failed run's teardown does not overwrite why it failed), and stop the thread. Phases
         are still watched (a save after ``fit``: the lowered timeout stays until the next start), and the peers'
-        states still read."""
+        states still read. ``error``: what stopped the rank; a :class:`PeerLostError` of its own is published with
+        the batch it waited in, so that a peer can tell where the ranks parted instead of blaming this rank."""
         if not self.active or self._final is not None:
             return
         self._halt()
         self._final, self._phase = state, None
+        lost = self._lost_at if isinstance(error, PeerLostError) else None
         try:
-            self._publish(state)
+            self._publish(state, lost)
         except Exception:  # noqa: BLE001 - the store is gone (rank 0 exited): nobody is left to read it
             pass
 
@@ -185,17 +193,20 @@ class PeerWatch:
             self._arm()
         (outer, since), self._phase, self._since = (self._phase, self._since), (method, count), time.monotonic()
         self._saving += method in _SAVING
+        self._training += method in _TRAINING
         try:
             with _peer_lost(self.report):
                 yield
         finally:
             self._phase, self._since = outer, since
             self._saving -= method in _SAVING
+            self._training -= method in _TRAINING
 
     def report(self, err: BaseException) -> str:
         """What this rank was doing, what torch said, and what every other rank last published."""
         rank, now, waited = dist.get_rank(), time.time(), time.monotonic() - self._since
         mine = self._describe(self._phase)
+        self._lost_at = (self._batch(), self._training > 0)
         peers, unreadable = {}, None
         try:
             keys = [str(r) for r in range(dist.get_world_size()) if r != rank]
@@ -222,20 +233,31 @@ class PeerWatch:
         )
 
     def _hint(self, theirs: list[dict], unreadable: bool) -> str:
-        failed = [t for t in theirs if t["final"] and t["phase"].startswith("stopped by")]
+        """Which case the peers' last states point to. Positions (:func:`_position`): in lockstep, a peer can be
+        behind this rank (still in its own code) but never past a collective this rank waits in; a peer that is
+        past it, finished, or failed waiting at another point ran other collectives than this rank."""
+        failed = [t for t in theirs if t["final"] and t["phase"].startswith("stopped by") and not t["lost"]]
         if failed or unreadable:
             return "Another rank stopped with an error: its own message (in its log) is the cause."
         if self._saving and not all(t["saving"] for t in theirs):
             return ("Every rank must call trainer.save_checkpoint (and fabric.save): the shards come from all of them;"
                     " on rank 0 alone, the others never send theirs.")
-        batch, inside = self._batch(), self._phase is not None
-        if any(t["final"] or t["batch"] > batch or (t["batch"] == batch and inside and not t["inside"])
-               for t in theirs):
+        here = _position(self._batch(), self._training > 0)
+        there = [float("inf") if t["final"] and not t["lost"] else _position(t["batch"], t["inside"])
+                 for t in theirs]
+        if any(p > here or (t["lost"] and p != here) for p, t in zip(there, theirs)):
             return ("A rank moved on without this step's collectives: every rank must run the same steps. An"
                     " exception caught on some ranks only (a try/except in training_step or a callback), a"
                     " training_step that returns None on some ranks only, or a different number of batches per rank"
                     " does this. Let the exception propagate (then every rank stops), or skip a batch on every rank"
                     " alike.")
+        if any(t["lost"] for t in theirs):
+            return ("Another rank failed waiting at the same point: its own message (in its log) names the rank it"
+                    " waited for.")
+        if any(p < here for p in there):
+            return ("Another rank was behind this one: it is slow or stuck in its own code (not in a collective), or"
+                    " its step takes longer than the bound (raise peer_timeout); or this rank skipped collectives"
+                    " that it ran (then its own message says so).")
         return ("The ranks were at the same point: one is slow or stuck in its own code (not in a collective), or"
                 " its step takes longer than the bound: raise peer_timeout.")
 
@@ -267,11 +289,12 @@ class PeerWatch:
             method = "save_checkpoint"  # a collective of the save (its broadcast, its gathers)
         return f"{_PHASES.get(method, f'in {method}')} ({at})"
 
-    def _publish(self, state: str | None = None) -> None:
+    def _publish(self, state: str | None = None, lost: tuple[int, bool] | None = None) -> None:
         final = state is not None and state != "setting up"
+        batch, inside = lost if lost is not None else (self._batch(), self._training > 0)
         text = json.dumps({"phase": state or self._describe(self._phase), "time": time.time(), "final": final,
-                           "batch": self._batch(), "inside": self._phase is not None,
-                           "saving": bool(self._saving)})
+                           "batch": batch, "inside": inside, "saving": bool(self._saving),
+                           "lost": lost is not None})
         self._store.set(str(dist.get_rank()), text)
 
     def _beat(self, stop: threading.Event) -> None:
@@ -280,6 +303,12 @@ class PeerWatch:
                 self._publish()
             except Exception:  # noqa: BLE001 - the store is gone (rank 0 exited): nothing left to tell
                 return
+
+
+def _position(batch: int, inside: bool) -> int:
+    """A rank's progress as one number: inside training batch N comes after batch N-1 is done, and before batch N is
+    (a validation step or a barrier after batch N stands with "batch N done": they are not inside a batch)."""
+    return 2 * batch - inside
 
 
 def _collective_failure(err: BaseException) -> bool:

@@ -366,7 +366,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         """After an error, teardown does not wait for a background save: the other ranks may never finish it; and the
         other ranks, should they wait for this one, learn why it stopped."""
         self._failed = True
-        self._peer_watch.stop(f"stopped by {type(exception).__name__} ({str(exception).strip()[:100]}...)")
+        self._peer_watch.stop(f"stopped by {type(exception).__name__} ({str(exception).strip()[:100]}...)", exception)
 
     def teardown(self) -> None:
         """Let a background save finish; release the cluster environment, checkpoint IO, precision plugin and
