@@ -122,7 +122,8 @@ class PeerWatch:
         self._counts: dict[str, int] = {}
         self._saving = 0  # phases of a save entered and not left (the collectives of a save run in inner phases)
         self._training = 0  # phases of a training batch entered and not left: the rank is inside that batch
-        self._lost_at: tuple[int, bool] | None = None  # (batch, inside it) where a collective of this rank failed
+        self._opened: int | None = None  # training_step calls when the Trainer's optimizer step began the next batch
+        self._lost: dict[str, Any] | None = None  # where this rank's first failed collective waited, as published
         self._armed = False
         self._final: str | None = None  # this rank's last word (finished, stopped by ...) once published
         self._groups: Callable[[], Sequence[Any]] = tuple
@@ -151,26 +152,24 @@ class PeerWatch:
             dist.distributed_c10d._set_pg_timeout(self._base, None)
         self._store = dist.PrefixStore("lightning_fsdp2/peers/", dist.distributed_c10d._get_default_store())
         self._groups, self._counts, self._armed, self._final, self._phase = groups, {}, False, None, None
-        self._lost_at = None
+        self._lost = self._opened = None
         self._publish("setting up")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, args=(self._stop,), name="lightning_fsdp2-peer-watch",
                                         daemon=True)
         self._thread.start()
 
-    def stop(self, state: str, error: BaseException | None = None) -> None:
+    def stop(self, state: str) -> None:
         """Publish ``state`` (``finished``, ``stopped by ValueError``) as this rank's last word, unless one is
         published already (a failed run's teardown does not overwrite why it failed), and stop the thread. Phases
         are still watched (a save after ``fit``: the lowered timeout stays until the next start), and the peers'
-        states still read. ``error``: what stopped the rank; a :class:`PeerLostError` of its own is published with
-        the batch it waited in, so that a peer can tell where the ranks parted instead of blaming this rank."""
+        states still read."""
         if not self.active or self._final is not None:
             return
         self._halt()
         self._final, self._phase = state, None
-        lost = self._lost_at if isinstance(error, PeerLostError) else None
         try:
-            self._publish(state, lost)
+            self._publish(state)
         except Exception:  # noqa: BLE001 - the store is gone (rank 0 exited): nobody is left to read it
             pass
 
@@ -183,14 +182,19 @@ class PeerWatch:
         self._stop = self._thread = None
 
     @contextmanager
-    def phase(self, method: str) -> Iterator[None]:
-        """Run the block as ``method`` (counted); a collective failing in it raises :class:`PeerLostError`."""
+    def phase(self, method: str, begins_batch: bool = False) -> Iterator[None]:
+        """Run the block as ``method`` (counted); a collective failing in it raises :class:`PeerLostError`.
+        ``begins_batch``: the phase, entered between steps, begins the next training batch before its
+        ``training_step`` does (the Trainer's optimizer step, whose closure runs the training step)."""
         if not self.active:
             yield
             return
         count = self._counts[method] = self._counts.get(method, 0) + 1
         if method in ("training_step", "backward") and count == 2 and not self._armed:
             self._arm()
+        opens = begins_batch and self._phase is None
+        if opens:
+            self._opened = self._counts.get("training_step", 0)
         (outer, since), self._phase, self._since = (self._phase, self._since), (method, count), time.monotonic()
         self._saving += method in _SAVING
         self._training += method in _TRAINING
@@ -201,12 +205,19 @@ class PeerWatch:
             self._phase, self._since = outer, since
             self._saving -= method in _SAVING
             self._training -= method in _TRAINING
+            if opens:
+                self._opened = None
 
     def report(self, err: BaseException) -> str:
         """What this rank was doing, what torch said, and what every other rank last published."""
         rank, now, waited = dist.get_rank(), time.time(), time.monotonic() - self._since
         mine = self._describe(self._phase)
-        self._lost_at = (self._batch(), self._training > 0)
+        if self._lost is None:  # the first failure is where the ranks parted; what follows are its consequences
+            self._lost = {**self._where(), "phase": f"{mine}: its collective failed (PeerLostError)"}
+            try:  # at once: the rank may exit before the thread's next beat (Fabric has no hook for its failure)
+                self._publish()
+            except Exception:  # noqa: BLE001 - the store is gone (rank 0 exited): nobody is left to read it
+                pass
         peers, unreadable = {}, None
         try:
             keys = [str(r) for r in range(dist.get_world_size()) if r != rank]
@@ -235,7 +246,8 @@ class PeerWatch:
     def _hint(self, theirs: list[dict], unreadable: bool) -> str:
         """Which case the peers' last states point to. Positions (:func:`_position`): in lockstep, a peer can be
         behind this rank (still in its own code) but never past a collective this rank waits in; a peer that is
-        past it, finished, or failed waiting at another point ran other collectives than this rank."""
+        past it, finished, or failed waiting at another point ran other collectives than this rank. A rank whose
+        own collective failed (``lost``) is a consequence, not a cause: it counts where it waited."""
         failed = [t for t in theirs if t["final"] and t["phase"].startswith("stopped by") and not t["lost"]]
         if failed or unreadable:
             return "Another rank stopped with an error: its own message (in its log) is the cause."
@@ -251,13 +263,21 @@ class PeerWatch:
                     " training_step that returns None on some ranks only, or a different number of batches per rank"
                     " does this. Let the exception propagate (then every rank stops), or skip a batch on every rank"
                     " alike.")
-        if any(t["lost"] for t in theirs):
-            return ("Another rank failed waiting at the same point: its own message (in its log) names the rank it"
-                    " waited for.")
         if any(p < here for p in there):
             return ("Another rank was behind this one: it is slow or stuck in its own code (not in a collective), or"
                     " its step takes longer than the bound (raise peer_timeout); or this rank skipped collectives"
                     " that it ran (then its own message says so).")
+        if self._phase is not None and not self._training and any(
+                t["between"] and not t["final"] and not t["lost"] for t in theirs):
+            # Between steps after batch N: not yet at this collective (a validation step, a barrier, a reduce after
+            # batch N), or already past it, waiting in Lightning's own broadcast before the next batch. Its
+            # published state cannot tell which.
+            return ("Another rank was between steps: it has not reached this collective yet (slow or stuck in its own"
+                    " code, e.g. rank-0-only work before validation or a save: make it shorter or raise"
+                    " peer_timeout), or it went past it without taking part (a self.log(..., sync_dist=True), a"
+                    " validation or a save run on some ranks only): every rank must run the same collectives.")
+        if any(t["lost"] for t in theirs):
+            return "Another rank failed waiting at the same point: its own message (in its log) says for whom."
         return ("The ranks were at the same point: one is slow or stuck in its own code (not in a collective), or"
                 " its step takes longer than the bound: raise peer_timeout.")
 
@@ -273,10 +293,12 @@ class PeerWatch:
             dist.distributed_c10d._set_pg_timeout(bound, group)
 
     def _batch(self) -> int:
-        """Training batches begun: ``training_step`` calls (the Trainer), else ``backward`` calls (Fabric), one more
-        inside a forward (Fabric's: it begins the batch that its ``backward`` counts)."""
-        if self._counts.get("training_step"):
-            return self._counts["training_step"]
+        """Training batches begun: ``training_step`` calls (the Trainer; one more in an optimizer step whose closure
+        has not run it yet), else ``backward`` calls (Fabric), one more inside a forward (Fabric's: it begins the
+        batch that its ``backward`` counts)."""
+        steps = self._counts.get("training_step", 0)
+        if steps or self._opened is not None:
+            return steps + (steps == self._opened)
         return self._counts.get("backward", 0) + (self._phase is not None and self._phase[0] == "forward")
 
     def _describe(self, phase: tuple[str, int] | None) -> str:
@@ -289,12 +311,17 @@ class PeerWatch:
             method = "save_checkpoint"  # a collective of the save (its broadcast, its gathers)
         return f"{_PHASES.get(method, f'in {method}')} ({at})"
 
-    def _publish(self, state: str | None = None, lost: tuple[int, bool] | None = None) -> None:
+    def _where(self) -> dict[str, Any]:
+        """This rank's state as the peers read it (besides its time and whether it is final)."""
+        return {"phase": self._describe(self._phase), "batch": self._batch(), "inside": self._training > 0,
+                "between": self._phase is None, "saving": bool(self._saving)}
+
+    def _publish(self, state: str | None = None) -> None:
+        # Once a collective of this rank failed, it publishes where (also while its error unwinds, and under Fabric,
+        # which has no hook for it), so that no peer reads the unwound state as a rank that fell behind.
+        where = {**(self._where() if self._lost is None else self._lost), "lost": self._lost is not None}
         final = state is not None and state != "setting up"
-        batch, inside = lost if lost is not None else (self._batch(), self._training > 0)
-        text = json.dumps({"phase": state or self._describe(self._phase), "time": time.time(), "final": final,
-                           "batch": batch, "inside": inside, "saving": bool(self._saving),
-                           "lost": lost is not None})
+        text = json.dumps({**where, "phase": state or where["phase"], "time": time.time(), "final": final})
         self._store.set(str(dist.get_rank()), text)
 
     def _beat(self, stop: threading.Event) -> None:

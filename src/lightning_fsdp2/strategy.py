@@ -346,7 +346,8 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
 
     def optimizer_step(self, optimizer: Any, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
         """Lightning's optimizer step (with automatic optimization the closure runs the training step in it)."""
-        with self._peer_watch.phase("optimizer_step"):
+        # With automatic optimization the step begins the batch: its closure runs the training step.
+        with self._peer_watch.phase("optimizer_step", begins_batch=True):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     @contextmanager
@@ -366,7 +367,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         """After an error, teardown does not wait for a background save: the other ranks may never finish it; and the
         other ranks, should they wait for this one, learn why it stopped."""
         self._failed = True
-        self._peer_watch.stop(f"stopped by {type(exception).__name__} ({str(exception).strip()[:100]}...)", exception)
+        self._peer_watch.stop(f"stopped by {type(exception).__name__} ({str(exception).strip()[:100]}...)")
 
     def teardown(self) -> None:
         """Let a background save finish; release the cluster environment, checkpoint IO, precision plugin and
