@@ -90,8 +90,8 @@ class PeerLostError(RuntimeError):
 
 
 _SAVING = ("lightning_module_state_dict", "optimizer_state", "save_checkpoint")
-# The phases of a training batch (Fabric's forwards included). Any other phase entered outside them (a barrier, a
-# validation step, a save) comes after the batch it counts, where a peer still between steps may yet join it.
+# The phases of a training batch (Fabric's forwards included). Any other phase entered between steps (a barrier, a
+# reduce, a validation step, a save) is one that some ranks may skip, or reach late.
 _TRAINING = ("training_step", "backward", "optimizer_step", "forward")
 _PHASES = {  # the strategy's methods, as a user knows them
     "lightning_module_state_dict": "saving a checkpoint", "optimizer_state": "saving a checkpoint",
@@ -121,7 +121,8 @@ class PeerWatch:
         self._since = time.monotonic()  # when the current phase began
         self._counts: dict[str, int] = {}
         self._saving = 0  # phases of a save entered and not left (the collectives of a save run in inner phases)
-        self._training = 0  # phases of a training batch entered and not left: the rank is inside that batch
+        self._seq = 0  # phases entered between steps (outermost): in lockstep every rank enters the same ones
+        self._outer: str | None = None  # the outermost phase this rank is in (None: between steps)
         self._opened: int | None = None  # training_step calls when the Trainer's optimizer step began the next batch
         self._lost: dict[str, Any] | None = None  # where this rank's first failed collective waited, as published
         self._armed = False
@@ -129,11 +130,12 @@ class PeerWatch:
         self._groups: Callable[[], Sequence[Any]] = tuple
         self._stop: threading.Event | None = None  # made by start(): neither it nor the thread is pickled
         self._thread: threading.Thread | None = None
+        self._lock: Any = None  # made by start(): the thread and a failing step publish in turn
 
     def __getstate__(self) -> dict[str, Any]:
         # The strategy is pickled by Lightning's spawn launcher before any process group exists: nothing live goes.
         state = dict(self.__dict__)
-        state.update(_store=None, _stop=None, _thread=None, _groups=tuple)
+        state.update(_store=None, _stop=None, _thread=None, _groups=tuple, _lock=None)
         return state
 
     @property
@@ -152,7 +154,8 @@ class PeerWatch:
             dist.distributed_c10d._set_pg_timeout(self._base, None)
         self._store = dist.PrefixStore("lightning_fsdp2/peers/", dist.distributed_c10d._get_default_store())
         self._groups, self._counts, self._armed, self._final, self._phase = groups, {}, False, None, None
-        self._lost = self._opened = None
+        self._lost = self._opened = self._outer = None
+        self._seq, self._lock = 0, threading.Lock()
         self._publish("setting up")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, args=(self._stop,), name="lightning_fsdp2-peer-watch",
@@ -192,19 +195,24 @@ class PeerWatch:
         count = self._counts[method] = self._counts.get(method, 0) + 1
         if method in ("training_step", "backward") and count == 2 and not self._armed:
             self._arm()
-        opens = begins_batch and self._phase is None
+        outermost = self._phase is None
+        if outermost:
+            self._seq, self._outer = self._seq + 1, method
+            if method in _TRAINING:  # a later training batch: a PeerLostError that user code caught lies behind it
+                self._lost = None
+        opens = begins_batch and outermost
         if opens:
             self._opened = self._counts.get("training_step", 0)
         (outer, since), self._phase, self._since = (self._phase, self._since), (method, count), time.monotonic()
         self._saving += method in _SAVING
-        self._training += method in _TRAINING
         try:
             with _peer_lost(self.report):
                 yield
         finally:
             self._phase, self._since = outer, since
             self._saving -= method in _SAVING
-            self._training -= method in _TRAINING
+            if outermost:
+                self._outer = None
             if opens:
                 self._opened = None
 
@@ -244,38 +252,46 @@ class PeerWatch:
         )
 
     def _hint(self, theirs: list[dict], unreadable: bool) -> str:
-        """Which case the peers' last states point to. Positions (:func:`_position`): in lockstep, a peer can be
-        behind this rank (still in its own code) but never past a collective this rank waits in; a peer that is
-        past it, finished, or failed waiting at another point ran other collectives than this rank. A rank whose
-        own collective failed (``lost``) is a consequence, not a cause: it counts where it waited."""
+        """Which case the peers' last states point to. In lockstep every rank enters the same phases in the same order
+        (:func:`_position`): a peer may be behind this rank (still in its own code), but a peer past the phase this
+        rank waits in, in another phase at the same count, finished, or failed waiting elsewhere ran other collectives
+        than this rank. A rank whose own collective failed (``lost``) is a consequence, not a cause: it counts where
+        it waited."""
         failed = [t for t in theirs if t["final"] and t["phase"].startswith("stopped by") and not t["lost"]]
-        if failed or unreadable:
+        if failed:
             return "Another rank stopped with an error: its own message (in its log) is the cause."
-        if self._saving and not all(t["saving"] for t in theirs):
-            return ("Every rank must call trainer.save_checkpoint (and fabric.save): the shards come from all of them;"
-                    " on rank 0 alone, the others never send theirs.")
-        here = _position(self._batch(), self._training > 0)
-        there = [float("inf") if t["final"] and not t["lost"] else _position(t["batch"], t["inside"])
-                 for t in theirs]
-        if any(p > here or (t["lost"] and p != here) for p, t in zip(there, theirs)):
+        if unreadable:
+            return ("If rank 0 stopped with an error, its own message (in its log) is the cause; if it finished, it ran"
+                    " fewer collectives than this rank: every rank must run the same ones.")
+        here, mine = _position(self._where()), self._outer
+
+        def past(t: dict) -> bool:
+            return (t["final"] and not t["lost"]) or _position(t) > here
+
+        elsewhere = [t for t in theirs if past(t) or (_position(t) == here and t["method"] != mine)
+                     or (t["lost"] and _position(t) != here)]
+        if elsewhere:
+            if self._saving and any(past(t) and not t["saving"] for t in elsewhere):
+                return ("Every rank must call trainer.save_checkpoint (and fabric.save): the shards come from all of"
+                        " them; on rank 0 alone, the others never send theirs.")
             return ("A rank moved on without this step's collectives: every rank must run the same steps. An"
                     " exception caught on some ranks only (a try/except in training_step or a callback), a"
-                    " training_step that returns None on some ranks only, or a different number of batches per rank"
-                    " does this. Let the exception propagate (then every rank stops), or skip a batch on every rank"
-                    " alike.")
-        if any(p < here for p in there):
+                    " training_step that returns None on some ranks only, a different number of batches per rank, or"
+                    " a collective between steps on some ranks only (a self.log(..., sync_dist=True), a validation, a"
+                    " barrier or a save under an `if`) does this. Let the exception propagate (then every rank"
+                    " stops), or skip a batch (or run the collective) on every rank alike.")
+        behind = [t for t in theirs if _position(t) < here]
+        if behind:
+            if mine not in _TRAINING and any(t["method"] is None and not t["lost"] for t in behind):
+                # Between steps, it has not reached this phase, or it skipped it and waits in a collective that is no
+                # phase (Lightning's own broadcast before each batch): what it published cannot tell which.
+                return ("Another rank was between steps: it has not reached this collective yet (slow or stuck in its"
+                        " own code, e.g. rank-0-only work before validation: make it shorter or raise peer_timeout),"
+                        " or it went past it without taking part (a self.log(..., sync_dist=True), a validation or a"
+                        " barrier run on some ranks only): every rank must run the same collectives.")
             return ("Another rank was behind this one: it is slow or stuck in its own code (not in a collective), or"
                     " its step takes longer than the bound (raise peer_timeout); or this rank skipped collectives"
                     " that it ran (then its own message says so).")
-        if self._phase is not None and not self._training and any(
-                t["between"] and not t["final"] and not t["lost"] for t in theirs):
-            # Between steps after batch N: not yet at this collective (a validation step, a barrier, a reduce after
-            # batch N), or already past it, waiting in Lightning's own broadcast before the next batch. Its
-            # published state cannot tell which.
-            return ("Another rank was between steps: it has not reached this collective yet (slow or stuck in its own"
-                    " code, e.g. rank-0-only work before validation or a save: make it shorter or raise"
-                    " peer_timeout), or it went past it without taking part (a self.log(..., sync_dist=True), a"
-                    " validation or a save run on some ranks only): every rank must run the same collectives.")
         if any(t["lost"] for t in theirs):
             return "Another rank failed waiting at the same point: its own message (in its log) says for whom."
         return ("The ranks were at the same point: one is slow or stuck in its own code (not in a collective), or"
@@ -313,29 +329,34 @@ class PeerWatch:
 
     def _where(self) -> dict[str, Any]:
         """This rank's state as the peers read it (besides its time and whether it is final)."""
-        return {"phase": self._describe(self._phase), "batch": self._batch(), "inside": self._training > 0,
-                "between": self._phase is None, "saving": bool(self._saving)}
+        return {"phase": self._describe(self._phase), "batch": self._batch(), "seq": self._seq,
+                "method": self._outer, "saving": bool(self._saving)}
 
-    def _publish(self, state: str | None = None) -> None:
+    def _publish(self, state: str | None = None, unless: threading.Event | None = None) -> None:
         # Once a collective of this rank failed, it publishes where (also while its error unwinds, and under Fabric,
-        # which has no hook for it), so that no peer reads the unwound state as a rank that fell behind.
-        where = {**(self._where() if self._lost is None else self._lost), "lost": self._lost is not None}
-        final = state is not None and state != "setting up"
-        text = json.dumps({**where, "phase": state or where["phase"], "time": time.time(), "final": final})
-        self._store.set(str(dist.get_rank()), text)
+        # which has no hook for it), so that no peer reads the unwound state as a rank that fell behind. One record
+        # at a time: the thread's beat must not overwrite a failing step's record with an older state.
+        with self._lock:
+            if unless is not None and unless.is_set():
+                return
+            lost = self._lost
+            where = {**(self._where() if lost is None else lost), "lost": lost is not None}
+            final = state != "setting up" if state is not None else self._final is not None
+            text = json.dumps({**where, "phase": state or where["phase"], "time": time.time(), "final": final})
+            self._store.set(str(dist.get_rank()), text)
 
     def _beat(self, stop: threading.Event) -> None:
         while not stop.wait(self.interval):
             try:
-                self._publish()
+                self._publish(unless=stop)
             except Exception:  # noqa: BLE001 - the store is gone (rank 0 exited): nothing left to tell
                 return
 
 
-def _position(batch: int, inside: bool) -> int:
-    """A rank's progress as one number: inside training batch N comes after batch N-1 is done, and before batch N is
-    (a validation step or a barrier after batch N stands with "batch N done": they are not inside a batch)."""
-    return 2 * batch - inside
+def _position(state: dict[str, Any]) -> int:
+    """A rank's progress as one number: inside its k-th phase (entered between steps: a training step, a validation
+    step, a barrier, a save) comes after the (k-1)-th is done, and before the k-th is."""
+    return 2 * state["seq"] - (state["method"] is not None)
 
 
 def _collective_failure(err: BaseException) -> bool:
