@@ -205,14 +205,18 @@ class PeerWatch:
             self._opened = self._counts.get("training_step", 0)
         (outer, since), self._phase, self._since = (self._phase, self._since), (method, count), time.monotonic()
         self._saving += method in _SAVING
+        went_on = False
         try:
             with _peer_lost(self.report):
                 yield
+            went_on = True
         finally:
             self._phase, self._since = outer, since
             self._saving -= method in _SAVING
             if outermost:
                 self._outer = None
+                if went_on:  # a PeerLostError inside it was caught by user code: the rank went on, and says where
+                    self._lost = None
             if opens:
                 self._opened = None
 
@@ -273,7 +277,8 @@ class PeerWatch:
         if elsewhere:
             if self._saving and any(past(t) and not t["saving"] for t in elsewhere):
                 return ("Every rank must call trainer.save_checkpoint (and fabric.save): the shards come from all of"
-                        " them; on rank 0 alone, the others never send theirs.")
+                        " them; on rank 0 alone, the others never send theirs. (If every rank calls it, one is late:"
+                        " its own work after its run; make it shorter or raise peer_timeout.)")
             return ("A rank moved on without this step's collectives: every rank must run the same steps. An"
                     " exception caught on some ranks only (a try/except in training_step or a callback), a"
                     " training_step that returns None on some ranks only, a different number of batches per rank, or"
@@ -282,7 +287,9 @@ class PeerWatch:
                     " stops), or skip a batch (or run the collective) on every rank alike.")
         behind = [t for t in theirs if _position(t) < here]
         if behind:
-            if mine not in _TRAINING and any(t["method"] is None and not t["lost"] for t in behind):
+            # Only a peer one position behind may have skipped this phase: it entered the same ones up to it.
+            if mine not in _TRAINING and any(t["method"] is None and not t["lost"] and _position(t) == here - 1
+                                             for t in behind):
                 # Between steps, it has not reached this phase, or it skipped it and waits in a collective that is no
                 # phase (Lightning's own broadcast before each batch): what it published cannot tell which.
                 return ("Another rank was between steps: it has not reached this collective yet (slow or stuck in its"
