@@ -178,6 +178,15 @@ def _waited(error: str) -> int:
     return int(re.search(r"it failed (\d+) s into it", error).group(1))
 
 
+def _misbehaved(how: str, tmp_path: Path) -> tuple[list[dict[str, Any]], str]:
+    """Run :func:`_misbehave` (it fails); each rank's outcome, and all of them as text for assertion messages (every
+    word: the assertion's own rendering cuts them)."""
+    with pytest.raises(RuntimeError):
+        run_distributed(_misbehave, 2, how, str(tmp_path), timeout=180)
+    outcomes = _outcomes(tmp_path)
+    return outcomes, json.dumps(outcomes, indent=1)
+
+
 def _outcomes(tmp_path: Path) -> list[dict[str, Any]]:
     return [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
 
@@ -262,10 +271,8 @@ def test_a_rank_that_swallowed_an_error_and_moved_on_is_named(how: str, tmp_path
     (rank 0, in batch 3) raises within the bound saying a rank moved on, whichever rank's wait failed first: rank 1,
     having failed first, is published as failed at batch 4, past rank 0, not as the cause. (Once, in CI, rank 0 read
     rank 1's failure before its own and blamed it: "Another rank stopped with an error".)"""
-    with pytest.raises(RuntimeError):
-        run_distributed(_misbehave, 2, how, str(tmp_path), timeout=180)
-    rank0, rank1 = outcomes = _outcomes(tmp_path)
-    said = json.dumps(outcomes, indent=1)  # every word on failure: the assertion's own rendering cuts them
+    outcomes, said = _misbehaved(how, tmp_path)
+    rank0, rank1 = outcomes
     assert rank0.get("type") == "PeerLostError", said
     assert "Rank 0 waited in a collective (in training_step (training batch 3))" in rank0["error"], said
     assert "A rank moved on without this step's collectives" in rank0["error"], said
@@ -282,10 +289,8 @@ def test_a_rank_still_before_validation_is_not_taken_for_one_that_moved_on(tmp_p
     step's all-gather. Rank 1, between steps, has not entered the validation step: the message says it has not
     reached the collective yet or went past it (skipped it), not that it surely skipped a step (which it said before:
     it read any rank between steps as past one in a phase)."""
-    with pytest.raises(RuntimeError):
-        run_distributed(_misbehave, 2, "slow-validation", str(tmp_path), timeout=180)
-    rank0, _ = outcomes = _outcomes(tmp_path)
-    said = json.dumps(outcomes, indent=1)
+    outcomes, said = _misbehaved("slow-validation", tmp_path)
+    rank0 = outcomes[0]
     assert rank0.get("type") == "PeerLostError", said
     assert "Rank 0 waited in a collective (in validation_step (training batch 4))" in rank0["error"], said
     assert "rank 1: between steps (training batch 4 done)" in rank0["error"], said
@@ -300,10 +305,8 @@ def test_a_collective_between_steps_on_one_rank_is_named(tmp_path: Path) -> None
     pairs the barrier with another rank's collective, and the ranks end up waiting in the collectives of phases
     entered at different counts, both in batch 4's aftermath. A rank says the other ran other collectives (comparing
     batches alone, they said "the same point" or blamed each other)."""
-    with pytest.raises(RuntimeError):
-        run_distributed(_misbehave, 2, "barrier-alone", str(tmp_path), timeout=180)
-    rank0, rank1 = outcomes = _outcomes(tmp_path)
-    said = json.dumps(outcomes, indent=1)
+    outcomes, said = _misbehaved("barrier-alone", tmp_path)
+    rank0 = outcomes[0]
     assert rank0.get("type") == "PeerLostError", said
     assert "(training batch 4))" in rank0["error"], said
     for outcome in outcomes:

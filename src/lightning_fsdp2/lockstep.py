@@ -336,7 +336,7 @@ class PeerWatch:
 
     def _where(self) -> dict[str, Any]:
         """This rank's state as the peers read it (besides its time and whether it is final)."""
-        return {"phase": self._describe(self._phase), "batch": self._batch(), "seq": self._seq,
+        return {"phase": self._describe(self._phase), "seq": self._seq,
                 "method": self._outer, "saving": bool(self._saving)}
 
     def _publish(self, state: str | None = None, unless: threading.Event | None = None) -> None:
