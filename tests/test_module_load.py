@@ -134,8 +134,14 @@ def _recipe(paths: dict[str, str], how: str, out: str) -> dict[str, Any]:
     optimizer = fabric.setup_optimizers(torch.optim.AdamW([p for p in model.parameters() if p.requires_grad],
                                                            lr=1e-2))
     if how == "load_state_dict":
-        # What LitGPT does for a strategy it does not know: the whole base, mmap-ed, into the set-up module.
+        # Code of one's own: the whole base, mmap-ed, into the set-up module.
         result = model.load_state_dict(torch.load(paths["base"], mmap=True, weights_only=True), strict=False)
+    elif how == "lazy_load":
+        # What LitGPT's `load_checkpoint` does for a strategy it does not know: Lightning's own lazy loader, whose
+        # values are `_NotYetLoadedTensor`s (not tensors), into the set-up module.
+        from lightning.fabric.utilities.load import _lazy_load
+
+        result = model.load_state_dict(_lazy_load(paths["base"]), strict=False)
     else:  # what LitGPT does under FSDP1
         result = fabric.load_raw(paths["base"], model, strict=False)
     missing = sorted(result.missing_keys) if result is not None else None
@@ -160,7 +166,7 @@ def paths(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
     return _start(tmp_path_factory.mktemp("litgpt_style"))
 
 
-@pytest.mark.parametrize("how", ["load_state_dict", "load_raw"])
+@pytest.mark.parametrize("how", ["load_state_dict", "lazy_load", "load_raw"])
 def test_a_litgpt_style_lora_recipe_matches_one_process(paths: dict[str, str], how: str, tmp_path: Path) -> None:
     """The base goes in through the model's own key mapping (`weight` -> `linear.weight`) either way; training at
     world size 2 ends where one process does (<= 1e-4), and the LoRA tensors saved are the same."""

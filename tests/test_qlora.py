@@ -573,3 +573,39 @@ def _load_state_dict_into_nf4(base: str, adapter: str) -> str:
 def test_load_state_dict_into_nf4_weights_is_refused_on_every_rank(start: tuple[str, str]) -> None:
     for message in run_distributed(_load_state_dict_into_nf4, 2, *start):
         assert "is stored in NF4" in message and "q_proj.base_layer.weight" in message, message
+
+
+def _set_adapters_through_dcp(base: str, adapter: str) -> dict:
+    """DCP's own API on a QLoRA model: an adapters-only full state dict in, with ``strict=False``. DCP fills the keys
+    it was not given with the model's own tensors (the NF4 base among them) and hands all of them to
+    ``load_state_dict``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+    from torch.distributed.tensor import DTensor
+
+    from lightning_fsdp2 import FSDP2Strategy
+    from lightning_fsdp2.quantize import is_nf4
+
+    module = QLoRAModule(base, adapter)
+    L.Trainer(accelerator="cpu", devices=world(), strategy=FSDP2Strategy(), precision="32-true", max_steps=1,
+              **quiet_trainer_kwargs()).fit(module)
+    local = {n: p.to_local() if isinstance(p, DTensor) else p for n, p in module.model.named_parameters()}
+    before = {n: _nf4_parts(t) for n, t in local.items() if is_nf4(t)}
+    adapters = {k: v for k, v in _adapters(module.model).items() if "lora_" in k}
+    wanted = {k: torch.full(v.shape, 0.125 + i / 64) for i, (k, v) in enumerate(adapters.items())}
+    options = StateDictOptions(full_state_dict=True, strict=False)
+    result = set_model_state_dict(module.model, dict(wanted), options=options)  # (DCP adds keys to the dict)
+    after = {n: _nf4_parts(p.to_local() if isinstance(p, DTensor) else p)
+             for n, p in module.model.named_parameters() if n in before}
+    got = {k: v for k, v in _adapters(module.model).items() if "lora_" in k}
+    return {"wanted": wanted, "got": got, "unexpected": list(result.unexpected_keys),
+            "nf4_kept": bool(before) and all(torch.equal(before[n][k], after[n][k]) for n in before for k in before[n])}
+
+
+def test_dcp_set_model_state_dict_of_adapters_loads_into_a_qlora_model(start: tuple[str, str]) -> None:
+    """`set_model_state_dict(model, adapters, full_state_dict=True, strict=False)`: the adapters take the given
+    values on every rank, the NF4 base (handed back by DCP as the model's own tensors) stays as it was."""
+    for got in run_distributed(_set_adapters_through_dcp, 2, *start):
+        assert got["nf4_kept"] and got["unexpected"] == []
+        assert got["got"].keys() == got["wanted"].keys() and got["wanted"]
+        for key, value in got["wanted"].items():
+            assert torch.equal(got["got"][key], value), key

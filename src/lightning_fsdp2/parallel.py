@@ -78,6 +78,8 @@ class ModulePrecision(Protocol):
 
     def convert_module(self, module: nn.Module) -> nn.Module: ...
 
+    def compute_as(self, policy: MixedPrecisionPolicy, device: torch.device) -> None: ...
+
 
 @dataclass
 class Parallelized:
@@ -125,6 +127,8 @@ def parallelize(
     """
     check_can_parallelize(module, training)
     module = precision.convert_module(module)
+    # `*-mixed` autocasts in the dtype the parameters are gathered in (a user's policy's too), on this device.
+    precision.compute_as(options.shard.mixed_precision or precision.mixed_precision_policy, device)
     choice = None
     if isinstance(layout, AutoLayout):
         choice = apply_auto_layout(module, layout, options, precision, pretrained, module_is_root)

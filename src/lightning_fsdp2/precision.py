@@ -7,7 +7,9 @@ Two families, two mechanisms:
   ``configure_model`` runs, so ``LightningModule.dtype`` reports the real dtype.
 * ``"*-mixed"`` (``"bf16-mixed"``, ``"16-mixed"``): parameters stay fp32 (the sharded master weights the optimizer
   updates); FSDP2's :class:`~torch.distributed.fsdp.MixedPrecisionPolicy` casts them to the low dtype when it
-  all-gathers them, and reduces gradients in fp32. No autocast is involved, so it works on any device.
+  all-gathers them, and reduces gradients in fp32. The steps (Fabric: the forwards) also run under ``torch.autocast``
+  in that dtype, as under Lightning's ``MixedPrecision``: code written for it computes its ops outside the sharded
+  modules (a loss in the step) as it would there, losses and the like upcast to fp32.
 """
 
 from __future__ import annotations
@@ -76,6 +78,9 @@ class PrecisionCore:
         self.scaler = scaler
         # As Lightning's MixedPrecision plugin: the device type its computation targets ("cuda" where there is one).
         self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        # Where and in what `*-mixed` autocasts; `compute_as` corrects both when a model is sharded.
+        self._autocast_device = self.device
+        self._autocast_dtype = self._low_dtype
 
     @property
     def is_true_precision(self) -> bool:
@@ -117,10 +122,25 @@ class PrecisionCore:
         """Same as :meth:`tensor_init_context`."""
         return self.tensor_init_context()
 
+    def compute_as(self, policy: MixedPrecisionPolicy, device: torch.device) -> None:
+        """Autocast ``*-mixed`` on ``device``'s type in the dtype FSDP2 gathers parameters in: ``policy``'s (the one
+        in use, a user's ``FSDP2Strategy(mixed_precision=...)`` too), or the precision's without one. Called when a
+        model is sharded, so autocast never computes in a dtype other than the parameters' (or on another device)."""
+        self._autocast_device = device.type
+        self._autocast_dtype = policy.param_dtype or self._low_dtype
+
+    def autocast_context_manager(self) -> AbstractContextManager:
+        """``torch.autocast`` under ``*-mixed``, as Lightning's ``MixedPrecision`` (no autocast cache: it would keep
+        cast copies of parameters for the whole step); nothing under ``*-true`` and ``"32-true"``."""
+        if self.precision not in ("bf16-mixed", "16-mixed"):
+            return nullcontext()
+        return torch.autocast(self._autocast_device, dtype=self._autocast_dtype, cache_enabled=False)
+
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        """Tensors created inside ``*_step`` under ``*-true`` get the storage dtype, as with ``HalfPrecision``."""
-        with self.tensor_init_context():
+        """``*_step`` under autocast with ``*-mixed``, as with Lightning's ``MixedPrecision``; under ``*-true`` the
+        tensors created there get the storage dtype, as with ``HalfPrecision``."""
+        with self.tensor_init_context(), self.autocast_context_manager():
             yield
 
     def convert_input(self, data: Any) -> Any:
@@ -130,8 +150,9 @@ class PrecisionCore:
         return data
 
     def convert_output(self, data: Any) -> Any:
-        """Return floating outputs in the default dtype under ``*-true``, as Lightning's ``HalfPrecision`` does."""
-        if self.is_true_precision:
+        """Return floating outputs in the default dtype under ``*-true`` and ``*-mixed``, as Lightning's
+        ``HalfPrecision`` and Fabric's ``MixedPrecision`` do (only Fabric calls it, on its forwards' outputs)."""
+        if self._low_dtype is not None:
             return apply_to_collection(
                 data, function=_convert_fp_tensor, dtype=Tensor, dst_type=torch.get_default_dtype()
             )
@@ -222,7 +243,8 @@ class FabricFSDP2Precision(PrecisionCore, FabricPrecision):
 
     The strategy swaps the plugin Fabric picked from ``Fabric(precision=...)`` for this one, so users normally never
     construct it. ``*-true`` stores parameters in that dtype; ``*-mixed`` keeps them fp32 and FSDP2's
-    ``MixedPrecisionPolicy`` computes in the low dtype (no autocast). Under ``"16-mixed"`` the loss is scaled by a
+    ``MixedPrecisionPolicy`` computes in the low dtype, the forwards under ``torch.autocast`` and their floating outputs
+    returned in fp32, as Fabric's ``MixedPrecision``. Under ``"16-mixed"`` the loss is scaled by a
     ``ShardedGradScaler``, which ``fabric.clip_gradients`` and the optimizer step unscale. ``adapter_dtype``: as for
     the Trainer's plugin, peft's adapters are stored in fp32 on a ``*-true`` base by default.
     """
@@ -239,7 +261,8 @@ class FabricFSDP2Precision(PrecisionCore, FabricPrecision):
 
     @contextmanager
     def forward_context(self) -> Generator[None, None, None]:
-        """As the Trainer's, and the forward a phase of the strategy's peer watch (see :attr:`peer_watch`)."""
+        """As the Trainer's (autocast under ``*-mixed``), and the forward a phase of the strategy's peer watch (see
+        :attr:`peer_watch`)."""
         with self.peer_watch.phase("forward") if self.peer_watch is not None else nullcontext():
             with super().forward_context():
                 yield

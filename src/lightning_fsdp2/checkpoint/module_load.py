@@ -76,7 +76,12 @@ def _to_local_shards(
         key = prefix + name
         if tensor is None or key not in state_dict:
             continue
-        value = state_dict[key]
+        value = state_dict[key] = _loaded(state_dict[key])
+        if is_nf4(tensor) and _same_layout(value, tensor) and is_nf4(value):
+            # NF4 codes into NF4 codes (torchao's copy takes them as they are): above all the model's own tensors,
+            # which DCP's `set_model_state_dict(..., full_state_dict=True)` hands back for every key the caller
+            # left out (an adapters-only state dict leaves out the whole base).
+            continue
         if is_nf4(tensor):
             state_dict.pop(key)
             error_msgs.append(
@@ -106,6 +111,32 @@ def _to_local_shards(
         ) and value.to_local().device == tensor.to_local().device:
             continue  # a shard of the same layout (a sharded model's own state_dict()): copied shard to shard
         state_dict[key] = _shard_of(tensor, lambda index, v=value: _whole(v)[index])
+
+
+def _same_layout(value: Any, tensor: Tensor) -> bool:
+    """Whether ``value`` is laid out as ``tensor``: both plain tensors of one shape, or ``DTensor``s of one shape,
+    mesh and placements (so their local pieces correspond)."""
+    from torch.distributed.tensor import DTensor
+
+    if not isinstance(value, Tensor) or tuple(value.shape) != tuple(tensor.shape):
+        return False
+    if isinstance(tensor, DTensor) or isinstance(value, DTensor):
+        return isinstance(value, DTensor) and isinstance(tensor, DTensor) and (
+            value.device_mesh, value.placements) == (tensor.device_mesh, tensor.placements)
+    return True
+
+
+def _loaded(value: Any) -> Any:
+    """``value`` as a tensor, where it is one of Lightning's lazily loaded tensors (``lazy_load``, behind LitGPT's
+    ``load_checkpoint``, ``fabric.load_raw`` and the Trainer's checkpoint loads): those are not ``Tensor``s, and
+    torch's copy would load them whole and then fail on "mixed torch.Tensor and DTensor". Lightning's loader reads
+    a tensor's whole record from the file (its archive reader reads no part of one), so each rank reads one whole
+    tensor at a time here and keeps only its slice of it (the rest is freed before the next tensor)."""
+    if isinstance(value, Tensor):
+        return value
+    from lightning.fabric.utilities.load import _NotYetLoadedTensor
+
+    return value._load_tensor() if isinstance(value, _NotYetLoadedTensor) else value
 
 
 def _whole(value: Tensor) -> Tensor:
