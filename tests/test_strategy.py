@@ -500,3 +500,41 @@ def test_tensors_built_for_real_take_rank_0s_values_as_with_ddp(where: str) -> N
     for rank in ranks:
         for name, value in ranks[0]["initial"].items():
             assert torch.equal(rank["state"][name], value), name
+
+
+# --------------------------------------------------------------------------- a second Trainer for the same module
+def _second_trainer(start_state: dict, path: str, second: dict, reuse: bool = True) -> dict:
+    """`fit` for 2 steps, a checkpoint, then a new Trainer (and strategy) given the same module (``reuse``; else a
+    module built anew): `fit` on to 4 steps from the checkpoint, as one does with DDP."""
+    module = LlamaModule(start_state=start_state)
+    first = L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy(), **_trainer_kwargs(max_steps=2))
+    first.fit(module)
+    first.save_checkpoint(path)
+    if not reuse:
+        module = LlamaModule(start_state=start_state)
+    shards = list(module.model.parameters()) if reuse else []
+    strategy = FSDP2Strategy(**second.get("strategy", {}))
+    kwargs = _trainer_kwargs(max_steps=4, precision=second.get("precision", "32-true"))
+    try:
+        L.Trainer(accelerator="cpu", devices=2, strategy=strategy, **kwargs).fit(module, ckpt_path=path)
+    except RuntimeError as err:
+        return {"error": str(err)}
+    return {"state": full_state(module), "losses": module.losses[-2:],
+            "same_shards": reuse and all(a is b for a, b in zip(shards, module.model.parameters(), strict=True))}
+
+
+def test_a_second_trainer_takes_the_module_a_first_one_set_up(tmp_path) -> None:
+    """The module is taken as it is (the same shards), and the resumed run ends where a module built anew and resumed
+    from the same checkpoint does (the optimizer state loads although the first run left gradients on the
+    parameters); a second Trainer that would lay it out otherwise is refused on every rank, naming what differs."""
+    start = _start_state()
+    anew = run_distributed(_second_trainer, 2, start, str(tmp_path / "anew.ckpt"), {}, False)
+    for got, want in zip(run_distributed(_second_trainer, 2, start, str(tmp_path / "a.ckpt"), {}), anew):
+        assert got["same_shards"]
+        assert got["losses"] == pytest.approx(want["losses"], abs=1e-6)  # each rank's own
+        _assert_same_weights(got["state"], want["state"])
+    other = {"strategy": {"reshard_after_forward": False}, "precision": "bf16-true"}
+    for got in run_distributed(_second_trainer, 2, start, str(tmp_path / "b.ckpt"), other):
+        assert "set up by an earlier run of FSDP2Strategy" in got["error"], got
+        assert "precision: '32-true' then, 'bf16-true' now" in got["error"], got["error"]
+        assert "shard:" in got["error"] and "save a checkpoint" in got["error"], got["error"]

@@ -37,7 +37,7 @@ from lightning_fsdp2.init import meta_init_context
 from lightning_fsdp2.layout import Layout
 from lightning_fsdp2.lockstep import PeerWatch
 from lightning_fsdp2.options import StrategyOptions
-from lightning_fsdp2.parallel import ModulePrecision, Parallelized, parallelize
+from lightning_fsdp2.parallel import ModulePrecision, Parallelized, earlier_set_up, parallelize, remember_set_up
 from lightning_fsdp2.precision import convert_stock_precision
 
 
@@ -194,6 +194,19 @@ class FrontEndCore:
         the ``load_pretrained`` calls made while ``module`` was built."""
         request = self._layout if self._layout is not None else self._auto_layout
         assert request is not None, "the processes are set up first"
+        options = self._options
+        # What decides how the model is laid out (not the options about saving, waiting or the process group).
+        shaping = ("tensor_parallel", "shard", "checkpointing", "compile", "prefetch", "offload_activations", "init")
+        settings = {"processes": self.world_size, "layout": request, "device": self.root_device.type,  # type: ignore[attr-defined]
+                    "precision": getattr(precision, "precision", None),
+                    "adapter_dtype": getattr(precision, "adapter_dtype", None),
+                    **{name: getattr(options, name) for name in shaping}}
+        earlier = earlier_set_up(module, settings)
+        if earlier is not None:
+            # A model an earlier Trainer (or Fabric) set up, taken as it is: its layout and mesh become this run's.
+            self._layout, self._device_mesh = earlier.layout, earlier.mesh
+            precision.compute_as(options.shard.mixed_precision or precision.mixed_precision_policy, self.root_device)
+            return earlier
         result = parallelize(
             module,
             self._device_mesh,
@@ -208,6 +221,7 @@ class FrontEndCore:
         if result.layout_choice is not None:  # the first model set up with "auto": its layout is the strategy's
             self._layout, self._device_mesh, self._layout_choice = result.layout, result.mesh, result.layout_choice
             rank_zero_info(result.layout_choice.describe())
+        remember_set_up(module, result, {**settings, "layout": result.layout})
         return result
 
     # ---------------------------------------------------------------- collectives

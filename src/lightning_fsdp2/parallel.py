@@ -103,6 +103,53 @@ class Parallelized:
     """With ``device_mesh="auto"``: every candidate layout's estimate and the one chosen."""
 
 
+@dataclass(frozen=True)
+class SetUp:
+    """A model's set-up, kept on the model (it outlives the strategy that made it): a later Trainer or Fabric run
+    that is given the same model takes it as it is when it would lay it out the same way (:func:`earlier_set_up`).
+    A set-up cannot be undone in place (torch has no inverse of ``fully_shard``), so another way is refused."""
+
+    parallelized: Parallelized
+    settings: dict[str, object]
+    """What decided the model's layout: the processes, the layout asked for, the options that shape the model, the
+    precision."""
+
+
+_SET_UP = "_lightning_fsdp2_set_up"
+
+
+def remember_set_up(module: nn.Module, parallelized: Parallelized, settings: dict[str, object]) -> None:
+    """Keep on ``module`` how it was set up, for a later run given the same model (a second ``Trainer``)."""
+    object.__setattr__(module, _SET_UP, SetUp(parallelized, settings))  # not a submodule, not in state_dict
+
+
+def earlier_set_up(module: nn.Module, settings: dict[str, object]) -> Parallelized | None:
+    """What an earlier run of this package did to ``module``, if it did set it up: reused when ``settings`` (this
+    run's) lay it out the same way, in the same process group; otherwise refused on every rank alike (all hold the
+    same model and settings), saying what differs and what to do."""
+    earlier: SetUp | None = module.__dict__.get(_SET_UP)
+    if earlier is None:
+        return None
+    import torch.distributed as dist
+
+    mesh = earlier.parallelized.mesh
+    alive = mesh is None or (dist.is_initialized() and all(
+        dist.get_world_size(group) > 0 for group in mesh.get_all_groups()))
+    differs = {name: (was, now) for name, was in earlier.settings.items()
+               if (now := settings.get(name)) != was and not (name == "layout" and isinstance(now, AutoLayout))}
+    if alive and not differs:
+        return earlier.parallelized
+    why = (", ".join(f"{name}: {was!r} then, {now!r} now" for name, (was, now) in differs.items())
+           if differs else "its process group is gone (an earlier run's processes ended)")
+    raise RuntimeError(
+        f"{type(module).__name__} was set up by an earlier run of FSDP2Strategy, which laid it out otherwise ({why})."
+        " A model is taken again as it is by a later Trainer or Fabric run with the same layout, options and"
+        " precision; a sharded model cannot be laid out again in place. Use the same strategy settings, or save a"
+        " checkpoint (`trainer.save_checkpoint`), build the model anew and resume from it: checkpoints load into any"
+        " layout."
+    )
+
+
 def parallelize(
     module: nn.Module,
     mesh: DeviceMesh | None,
@@ -361,10 +408,11 @@ def check_not_sharded_already(module: nn.Module) -> None:
     what = f"Modules {groups[:5]} were passed to fully_shard" if groups else f"Parameters {sharded[:5]} are DTensors"
     raise RuntimeError(
         f"{what} before FSDP2Strategy set the model up: it is sharded already, by your code (`fully_shard` or"
-        " `parallelize_module` calls, ModelParallelStrategy's way) or by an earlier Trainer/Fabric run. FSDP2Strategy"
-        " calls fully_shard itself: delete those calls from `configure_model`, keep the model construction (see"
-        " docs/comparison.md, 'Moving from them'); run fit/validate/test of one model with one Trainer; after a"
-        " set-up that failed part-way (a load that did not fit), or to start over, build the model anew."
+        " `parallelize_module` calls, ModelParallelStrategy's way) or by an earlier run whose set-up failed part-way."
+        " FSDP2Strategy calls fully_shard itself: delete those calls from `configure_model`, keep the model"
+        " construction (see docs/comparison.md, 'Moving from them'); after a set-up that failed part-way (a load that"
+        " did not fit), or to start over, build the model anew. (A model an earlier run set up completely is taken"
+        " as it is by the next Trainer or Fabric run.)"
     )
 
 

@@ -9,7 +9,8 @@ from __future__ import annotations
 import os
 import uuid
 import warnings
-from collections.abc import Callable, Mapping, Sequence, Set
+from collections.abc import Callable, Iterator, Mapping, Sequence, Set
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -346,6 +347,23 @@ def load_full_state_dict(
     run_plan(module, source, plan)
 
 
+@contextmanager
+def _gradients_aside(optimizer: Optimizer) -> Iterator[None]:
+    """Parameters without gradients while the block runs, theirs back afterwards. DCP's `get_optimizer_state_dict`
+    creates the state tensors of an optimizer that has not stepped by a step of zero gradients, and silently skips
+    that when any parameter holds a gradient: a model a previous `fit` trained (Lightning zeroes gradients before each
+    backward, not after the step) given to a new optimizer would then load no state at all."""
+    params = [p for group in optimizer.param_groups for p in group["params"]]
+    grads = [p.grad for p in params]
+    for param in params:
+        param.grad = None
+    try:
+        yield
+    finally:
+        for param, grad in zip(params, grads):
+            param.grad = grad
+
+
 @torch.no_grad()
 def load_full_optimizer(module: nn.Module, optimizer: Optimizer, state: Mapping[str, Any]) -> None:
     """Load a full (index-keyed) optimizer state into the optimizer's sharded state: each rank copies its slices."""
@@ -353,7 +371,8 @@ def load_full_optimizer(module: nn.Module, optimizer: Optimizer, state: Mapping[
     from torch.distributed.tensor import DTensor
 
     saved = optimizer_state_by_name(state, optimizer, module)
-    target = get_optimizer_state_dict(module, optimizer)  # sharded; creates the state tensors to load into
+    with _gradients_aside(optimizer):
+        target = get_optimizer_state_dict(module, optimizer)  # sharded; creates the state tensors to load into
     for name, slots in target["state"].items():
         if name not in saved["state"]:
             continue  # never stepped when saved: the optimizer creates its state at the first step, as it would
@@ -417,7 +436,8 @@ def load_sharded_optimizer(module: nn.Module, optimizer: Optimizer, path: Path, 
             f"The checkpoint {path} holds no optimizer state {key!r} (saved with `weights_only`?). Resume from a"
             " checkpoint with optimizer state, or load only the weights."
         )
-    state = get_optimizer_state_dict(module, optimizer)  # creates the (sharded) state tensors to load into
+    with _gradients_aside(optimizer):
+        state = get_optimizer_state_dict(module, optimizer)  # creates the (sharded) state tensors to load into
     loaded = {key: state}
     safe_dcp.load(loaded, path)  # dcp.load with a reader and planner that unpickle no code
     set_optimizer_state_dict(module, optimizer, loaded[key])
