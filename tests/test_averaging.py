@@ -1,5 +1,6 @@
-"""Weight averaging (EMA) of the sharded model: lightning_fsdp2.averaging against Lightning's own callback in one
-process, and its state through both checkpoint formats."""
+"""Weight averaging (EMA, SWA) of the sharded model: lightning_fsdp2.averaging against Lightning's own callback in one
+process, Lightning's own callbacks (given as they are to FSDP2Strategy) against Lightning's DDP, and their state
+through both checkpoint formats."""
 
 from __future__ import annotations
 
@@ -168,3 +169,147 @@ def test_an_averaged_copy_on_another_device_is_refused() -> None:
                  lambda: StochasticWeightAveraging(swa_lrs=1e-2, device="cpu")):
         with pytest.raises(ValueError, match=r"\(device=.*cpu.*\): the averaged copy is sharded .* Leave `device` unset"):
             make()
+
+
+# --------------------------------------------------------------------------- Lightning's own callbacks, as they are
+def _user_averaging():
+    """A user's `WeightAveraging` subclass, as Lightning's docs show one: its own `should_update` (every other
+    optimizer step, from the second) and torch's default average (equal weights)."""
+    from lightning.pytorch.callbacks import WeightAveraging
+
+    class EveryOtherStepAveraging(WeightAveraging):
+        def should_update(self, step_idx=None, epoch_idx=None) -> bool:
+            return step_idx is not None and step_idx % 2 == 1
+
+    return EveryOtherStepAveraging
+
+
+def _lightning_callback(kind: str):
+    """One of Lightning's own weight-averaging callbacks (or a user's subclass), imported from Lightning."""
+    from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging
+
+    if kind == "ema":
+        return EMAWeightAveraging(decay=0.5)
+    if kind == "swa":
+        return StochasticWeightAveraging(swa_lrs=1e-2, swa_epoch_start=1, annealing_epochs=2)
+    return _user_averaging()()
+
+
+EPOCHS = {"ema": 2, "user": 2, "swa": 3}
+
+
+class _ValLossModule(LlamaModule):
+    def validation_step(self, batch: torch.Tensor, batch_idx: int) -> None:
+        self.val_losses = [*getattr(self, "val_losses", []), self.model(input_ids=batch, labels=batch).loss.detach()]
+
+
+def _fit_with_lightnings_callback(kind: str, strategy: str, start: dict, save_dir: str | None = None,
+                                  resume: str | None = None, fmt: str = "full") -> dict:
+    """Lightning's own callback in a Trainer with `strategy` ("fsdp2" or Lightning's "ddp"); the model's and the
+    averaged copy's weights (gathered) after fit, the losses validation saw, and whether the copy held shards."""
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.distributed.tensor import DTensor
+
+    world = torch.distributed.get_world_size() if torch.distributed.is_initialized() else int(
+        __import__("os").environ["WORLD_SIZE"])
+    module = _ValLossModule(start_state=start, batch_size=8 // world, **STEPS)
+    callback = _lightning_callback(kind)
+    callbacks = [callback]
+    if save_dir:
+        callbacks.append(ModelCheckpoint(dirpath=save_dir, filename="{epoch}", every_n_epochs=1, save_top_k=-1))
+    if strategy == "ddp":
+        module.configure_model()  # Lightning's callbacks copy the model in `setup`, before the trainer calls this hook
+    else:
+        strategy = FSDP2Strategy(state_dict_type=fmt)
+    trainer = L.Trainer(strategy=strategy, max_epochs=EPOCHS[kind], callbacks=callbacks,
+                        **_trainer(world, enable_checkpointing=bool(save_dir)))
+    trainer.fit(module, ckpt_path=resume)
+    average = callback._average_model if kind == "swa" else callback._average_model.module
+    tensors = dict(average.named_parameters())
+    return {
+        "state": full_state(module),
+        "average": {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().cpu().clone()
+                    for k, v in tensors.items()},
+        "sharded": all(isinstance(v, DTensor) for v in tensors.values()),
+        "local_numel": sum((v.to_local() if isinstance(v, DTensor) else v).numel() for v in tensors.values()),
+        "numel": sum(v.numel() for v in tensors.values()),
+        "val_losses": torch.stack(module.val_losses),
+    }
+
+
+def _worst(a: dict, b: dict) -> float:
+    assert a.keys() == b.keys()
+    return max((a[k].float() - b[k].float()).abs().max().item() for k in a)
+
+
+@pytest.mark.parametrize("kind", ["ema", "user", "swa"])
+def test_lightnings_own_callbacks_average_the_sharded_model_as_under_ddp(kind: str) -> None:
+    """`lightning.pytorch.callbacks.EMAWeightAveraging`, `StochasticWeightAveraging` and a user's `WeightAveraging`
+    subclass with its own `should_update`, given as they are to a Trainer with FSDP2Strategy at world size 2: the
+    averaged copy holds DTensor shards (half of the model on each rank), and it, the model after fit and the losses
+    validation saw (the averaged weights, swapped in) are those of Lightning's own DDP with the same callback."""
+    start = _start_state()
+    ddp = run_distributed(_fit_with_lightnings_callback, 2, kind, "ddp", start)
+    sharded = run_distributed(_fit_with_lightnings_callback, 2, kind, "fsdp2", start)
+    for rank, reference in zip(sharded, ddp, strict=True):
+        assert rank["sharded"] and not reference["sharded"]
+        assert rank["local_numel"] < 0.6 * rank["numel"], (rank["local_numel"], rank["numel"])
+        assert _worst(rank["average"], reference["average"]) <= 1e-5
+        assert _worst(rank["state"], reference["state"]) <= 1e-5
+        assert (rank["val_losses"] - reference["val_losses"]).abs().max().item() <= 1e-5
+    # the weights moved: the comparison is not one of untouched start weights
+    moved = _worst(sharded[0]["average"], {k: v for k, v in start.items() if k in sharded[0]["average"]})
+    assert moved > 1e-3
+
+
+@pytest.mark.parametrize("fmt", ["full", "sharded"])
+@pytest.mark.parametrize("kind", ["ema", "user", "swa"])
+def test_lightnings_own_callbacks_resume_from_either_format(kind: str, fmt: str, tmp_path: Path) -> None:
+    """Lightning's own callbacks, saved at world size 2 after each epoch, resumed from the one before the last at
+    world size 1: the run ends as the uninterrupted one, the averaged copy and the model both (the averaged and the
+    current weights, the update count and, for SWA, its scheduler came back)."""
+    straight = run_distributed(_fit_with_lightnings_callback, 2, kind, "fsdp2", _start_state(), str(tmp_path),
+                               None, fmt)[0]
+    checkpoint = tmp_path / f"epoch={EPOCHS[kind] - 2}.ckpt"
+    assert checkpoint.is_dir() == (fmt == "sharded")
+    resumed = run_distributed(_fit_with_lightnings_callback, 1, kind, "fsdp2", _start_state(), None,
+                              str(checkpoint), fmt)[0]
+    assert _worst(resumed["average"], straight["average"]) <= 1e-4
+    _assert_same_weights(resumed["state"], straight["state"])
+
+
+def test_adopting_keeps_the_users_class_and_overrides() -> None:
+    """What the strategy does to each of Lightning's averaging callbacks at setup: the instance gets the sharded
+    behaviour in front of its own class (Lightning's or a user's), keeps its `should_update`, its arguments and its
+    checkpoint key, and pickles (for `start_method="spawn"`) back to an adopted callback; a `device` for the copy is
+    ignored with a warning (Lightning's SWA has the CPU by default: ignored silently)."""
+    import pickle
+
+    from lightning.pytorch.callbacks import EMAWeightAveraging, StochasticWeightAveraging, WeightAveraging
+
+    from lightning_fsdp2 import averaging
+
+    user = _user_averaging()
+    for callback, lightnings in ((EMAWeightAveraging(decay=0.5), EMAWeightAveraging),
+                                 (WeightAveraging(), WeightAveraging), (user(), user),
+                                 (StochasticWeightAveraging(swa_lrs=1e-2), StochasticWeightAveraging)):
+        key = callback.state_key
+        assert averaging.adopt(callback) and not averaging.adopt(callback)
+        assert isinstance(callback, lightnings) and type(callback) is not lightnings
+        assert isinstance(callback, (averaging._ShardedAveraging, averaging._ShardedSWA))
+        assert callback.state_key == key and type(callback).__name__ == lightnings.__name__
+        assert callback._device is None
+    adopted = user()
+    averaging.adopt(adopted)
+    assert [adopted.should_update(step_idx=i) for i in range(4)] == [False, True, False, True]
+    assert type(adopted).setup is averaging._ShardedAveraging.setup  # no deep copy of the model in `setup`
+    assert type(adopted)._swap_models is averaging._ShardedAveraging._swap_models
+    swa = StochasticWeightAveraging(swa_lrs=1e-2)
+    averaging.adopt(swa)
+    again = pickle.loads(pickle.dumps(swa))
+    assert type(again) is type(swa) and again._swa_lrs == 1e-2
+    assert not averaging.adopt(torch.nn.Module())
+    offloaded = WeightAveraging(device="cpu")  # the copy stays with the shards: said, not refused
+    with pytest.warns(UserWarning, match=r"WeightAveraging\(device=.*cpu.*\) is ignored with FSDP2Strategy"):
+        averaging.adopt(offloaded)
+    assert offloaded._device is None

@@ -272,3 +272,101 @@ def test_a_flipped_bit_in_the_converters_hf_output_is_named(saved: dict, tmp_pat
     integrity.add_checksums(tmp_path / "bare.safetensors")
     with safe_open(str(tmp_path / "bare.safetensors"), framework="pt") as f:
         assert f.metadata()["format"] == "pt" and integrity.CRC_KEY in f.metadata()
+
+
+# ------------------------------------------------------------------------------------------------ the index, the names
+def _copy_with_flip(src: Path, dst: Path, file: str, offset: int) -> Path:
+    shutil.copytree(src, dst) if src.is_dir() else shutil.copy(src, dst)
+    _flip(dst / file if file else dst, offset)
+    return dst
+
+
+def test_a_flipped_byte_in_the_sharded_index_is_named_before_it_is_read(pretrained: Path, saved: dict,
+                                                                        tmp_path: Path) -> None:
+    """DCP's index (.metadata) is a raw pickle with no checksum: the strategy appends the CRC-32 of its bytes (torch's
+    reader stops at the pickle's end). A byte flipped in its save id (which no load reads: with the check off the run
+    resumes without a word) fails the resume on every rank naming .metadata; so does a damaged checksum. The intact
+    checkpoint resumes."""
+    from torch.distributed.checkpoint import FileSystemReader
+
+    data = (saved["sharded"] / ".metadata").read_bytes()
+    assert integrity.INDEX_CHECKSUM in data[-40:]
+    FileSystemReader(saved["sharded"]).read_metadata()  # torch's own reader reads it as before
+    at = data.index(read_dcp_metadata(saved["sharded"]).storage_meta.save_id.encode()) + 3
+    copy = _copy_with_flip(saved["sharded"], tmp_path / "index-flipped.ckpt", ".metadata", at)
+    runs = [run_distributed(_resume_expecting_error, 2, str(pretrained), str(path), {},
+                            {"state_dict_type": "sharded", "verify_checkpoints": verify})
+            for path, verify in ((copy, True), (copy, False), (saved["sharded"], True))]
+    assert runs[0][0] == runs[0][1], "every rank raises the same error"
+    assert f"CheckpointFileError: The checkpoint {copy} is damaged" in runs[0][0], runs[0][0]
+    assert ".metadata: the checkpoint's index does not match the CRC-32 written with it (found by rank 0)" in runs[0][0]
+    assert runs[1] == runs[2] == ["no error"] * 2  # the check was what caught it; the intact one resumes
+    copy = _copy_with_flip(saved["sharded"], tmp_path / "checksum-flipped.ckpt", ".metadata", len(data) - 4)
+    with pytest.raises(CheckpointFileError, match=r"\.metadata: the checkpoint's index ends in bytes that are neither"):
+        integrity.verify(copy, together=False)
+
+
+def test_a_flipped_byte_in_a_record_name_is_named(pretrained: Path, saved: dict, tmp_path: Path) -> None:
+    """torch's reader looks an archive's records up by the names in its zip directory, zipfile by those of their local
+    headers: a byte flipped in either copy of a name ('byteorder': torch assumes the machine's without it) is named,
+    file and tensor, in a shard (on every rank of a resume) and in a full checkpoint."""
+    items = [(index.fqn, info) for index, info in read_dcp_metadata(saved["sharded"]).storage_data.items()
+             if index.fqn.startswith("state_dict.")]
+    fqn, info = max(items, key=lambda item: item[1].length)
+    item = (saved["sharded"] / info.relative_path).read_bytes()[info.offset:info.offset + info.length]
+    name = b"/byteorder"
+    places = [i for i in range(len(item)) if item.startswith(name, i)]
+    assert len(places) == 2  # its local header, then the directory at the archive's end
+    for copy_of, at in zip(("local header", "zip directory"), places):
+        copy = _copy_with_flip(saved["sharded"], tmp_path / copy_of.replace(" ", "-"), info.relative_path,
+                               info.offset + at + len(name) - 1)
+        with pytest.raises(CheckpointFileError, match=rf"file {info.relative_path!r}, tensor {fqn!r} \(record name"
+                           r" 'archive/byteorde.' in the zip directory, 'archive/byteorde.' in its local header\)"):
+            integrity.verify(copy, together=False)
+    messages = run_distributed(_resume_expecting_error, 2, str(pretrained), str(copy), {},
+                               {"state_dict_type": "sharded"})
+    assert messages[0] == messages[1] and f"file {info.relative_path!r}, tensor {fqn!r} (record name" in messages[0]
+    full = saved["full"].read_bytes()
+    copy = _copy_with_flip(saved["full"], tmp_path / "name-flipped.ckpt", "", full.rindex(name) + len(name) - 1)
+    with pytest.raises(CheckpointFileError, match=r"name-flipped\.ckpt: record name '.*/byteorde.' in the zip direc"):
+        integrity.verify(copy, together=False)
+
+
+@pytest.mark.filterwarnings("ignore:torch.distributed is disabled")
+def test_the_index_and_names_cost_a_few_bytes(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """The index's checksum is 32 bytes more in a small file (one read of it to verify); an index DCP wrote itself
+    (torch's own writer: no checksum) passes, and both load. A record's name is checked in the one read of its local
+    header that finds where its data starts (30 + the name's bytes): nothing else is read for it. A non-tensor item
+    (a torch.save archive too) is verified like a tensor's."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
+
+    state = {"state_dict": {f"w{i}": torch.randn(64) for i in range(8)},
+             "optimizer_0": {"param_groups": [{"lr": 0.1}]}}
+    for name, writer in (("a", FileSystemWriter), ("b", integrity.IndexChecksumWriter)):
+        dcp.save(state, storage_writer=writer(tmp_path / name), no_dist=True)
+        integrity.verify(tmp_path / name, together=False)
+        loaded = {"state_dict": {k: torch.zeros(64) for k in state["state_dict"]},
+                  "optimizer_0": {"param_groups": [{"lr": 0.0}]}}
+        dcp.load(loaded, storage_reader=FileSystemReader(tmp_path / name), no_dist=True)
+        assert all(torch.equal(v, state["state_dict"][k]) for k, v in loaded["state_dict"].items())
+        assert loaded["optimizer_0"] == state["optimizer_0"]
+    sizes = [(tmp_path / name / ".metadata").stat().st_size for name in "ab"]
+    assert sizes[1] - sizes[0] == len(integrity.INDEX_CHECKSUM) + 9
+    info = next(i for x, i in read_dcp_metadata(tmp_path / "b").storage_data.items() if x.fqn.startswith("optimizer"))
+    shard = tmp_path / "b" / info.relative_path
+    (tmp_path / "item.pt").write_bytes(shard.read_bytes()[info.offset:info.offset + info.length])
+    with zipfile.ZipFile(tmp_path / "item.pt") as archive:
+        pickled = next(i for i in archive.infolist() if i.filename.endswith("data.pkl"))
+    _flip(shard, info.offset + _data_offset(tmp_path / "item.pt", pickled) + pickled.file_size // 2)
+    with pytest.raises(CheckpointFileError, match=r"item 'optimizer_0\.param_groups\.0\.lr' \(found by rank 0\)"):
+        integrity.verify(tmp_path / "b", together=False)
+
+    torch.save(state["state_dict"], tmp_path / "full.pt")
+    reads: list[tuple[int, int]] = []
+    read = integrity._Files.read
+    monkeypatch.setattr(integrity._Files, "read", lambda self, path, offset, length: (
+        reads.append((offset, length)) or read(self, path, offset, length)))
+    integrity.verify(tmp_path / "full.pt", together=False)
+    with zipfile.ZipFile(tmp_path / "full.pt") as archive:
+        assert sorted(reads) == sorted((i.header_offset, 30 + len(i.filename)) for i in archive.infolist())

@@ -10,11 +10,15 @@ its hooks' names, its launcher, its checkpoint entry points.
 from __future__ import annotations
 
 import os
+import time
+import uuid
 from collections.abc import Generator
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from datetime import timedelta
 from typing import Any
 
 import torch
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.distributed import (
     ReduceOp,
     _distributed_is_initialized,
@@ -162,9 +166,21 @@ class FrontEndCore:
             self._options.check_layout(self._layout)
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(device)
         device_id = device if device.type != "cpu" else None
+        timeout = self._options.process_group.timeout or default_pg_timeout
+        # torchrun's agent hosts the store (`TORCHELASTIC_USE_AGENT_STORE=True`) and keeps it across the restarts of
+        # `--max-restarts`: a restarted attempt would read the addresses the previous one published (gloo/NCCL then
+        # connect to dead ports). Each attempt starts its group in a namespace of its own (`_attempt_store`).
+        # Elsewhere (Lightning's launchers, SLURM and its requeues, torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
+        # rank 0 hosts a new store for each start: nothing stale to read.
+        store = None
+        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not _distributed_is_initialized():
+            env, rank, world_size = self.cluster_environment, self.global_rank, self.world_size  # type: ignore[attr-defined]
+            agent_store = torch.distributed.TCPStore(env.main_address, env.main_port, world_size, is_master=False,
+                                                     timeout=timeout)
+            store = _attempt_store(agent_store, rank, world_size, timeout)
         _init_dist_connection(
             self.cluster_environment, self._process_group_backend, timeout=self._options.process_group.timeout,  # type: ignore[attr-defined]
-            device_id=device_id,
+            device_id=device_id, **({"store": store} if store is not None else {}),
         )
         if self._layout is not None:
             self._device_mesh = self._layout.build_mesh(device.type)
@@ -256,6 +272,42 @@ class FrontEndCore:
         """Register as ``"fsdp2"`` in the front-end's strategy registry."""
         if "fsdp2" not in strategy_registry:
             strategy_registry.register("fsdp2", cls, description="FSDP2 (fully_shard) from lightning-fsdp2")
+
+
+def _attempt_store(store: torch.distributed.Store, rank: int, world_size: int,
+                   timeout: timedelta) -> torch.distributed.Store:
+    """``store`` seen through a key prefix that only this attempt's processes share, for a store that outlives them
+    (torchrun's, across its restarts).
+
+    The attempt cannot be named by ``TORCHELASTIC_RESTART_COUNT``: each node's agent counts its own restarts, and one
+    restarted for another node's failure does not count it (pytorch/pytorch#135712, #108158); ranks in different
+    namespaces would wait for each other until the timeout. So rank 0 draws the name and hands it to each rank in
+    answer to a nonce that rank drew: an answer that carries a rank's nonce comes from this attempt's rank 0, never
+    from the keys of an earlier attempt. Rank 0 answers until every rank has counted itself in under the name."""
+    prefix = "lightning_fsdp2/attempts/"
+    nonce = uuid.uuid4().hex
+    deadline = time.monotonic() + timeout.total_seconds()
+
+    def wait_a_little(what: str) -> None:
+        if time.monotonic() > deadline:
+            raise TimeoutError(f"Rank {rank} waited {timeout} for {what} (the process group's timeout).")
+        time.sleep(0.02)
+
+    if rank == 0:
+        name = nonce
+        hello = [f"{prefix}hello/{r}" for r in range(1, world_size)]
+        welcome = [f"{prefix}welcome/{r}" for r in range(1, world_size)]
+        store.wait(hello, timeout)  # present: this attempt's nonces, or an earlier attempt's (answered until replaced)
+        while store.add(f"{prefix}{name}/joined", 0) < world_size - 1:
+            store.multi_set(welcome, [f"{n.decode()}:{name}" for n in store.multi_get(hello)])
+            wait_a_little("the other ranks to start the process group")
+    else:
+        store.set(f"{prefix}hello/{rank}", nonce)
+        while not (answer := store.get(f"{prefix}welcome/{rank}").decode()).startswith(f"{nonce}:"):
+            wait_a_little("rank 0 to start the process group")
+        name = answer.split(":", 1)[1]
+        store.add(f"{prefix}{name}/joined", 1)
+    return torch.distributed.PrefixStore(f"{prefix}{name}/", store)
 
 
 def precision_property(attribute: str, doc: str) -> property:

@@ -9,6 +9,11 @@ averages shard by shard (its updates are elementwise), with no communication, an
 (when to update, the swap around validation, the copy at the end of ``fit``, what a checkpoint holds) runs
 unchanged. The checkpoint formats of :class:`~lightning_fsdp2.FSDP2Strategy` write the averaged and current weights
 in either format, and a resume at any world size restores both.
+
+Lightning's own callbacks (``lightning.pytorch.callbacks.WeightAveraging``, ``EMAWeightAveraging``,
+``StochasticWeightAveraging``, and a user's subclass of them) need nothing from here: ``FSDP2Strategy`` gives each
+one this behaviour at the start of a run (:func:`adopt`), keeping its arguments and overrides (``should_update``).
+The classes below are the same callbacks, adopted from the start.
 """
 
 from __future__ import annotations
@@ -28,7 +33,7 @@ from torch.optim.swa_utils import AveragedModel
 
 from lightning_fsdp2.checkpoint.formats import has_entry, load_entry
 
-__all__ = ["EMAWeightAveraging", "StochasticWeightAveraging", "WeightAveraging"]
+__all__ = ["EMAWeightAveraging", "StochasticWeightAveraging", "WeightAveraging", "adopt"]
 
 
 class _ShardedAveraging:
@@ -46,6 +51,7 @@ class _ShardedAveraging:
         """Make the averaged copy of the sharded model: its tensors cloned, shard by shard."""
         _reshard(pl_module)
         self._average_model = _ShardedAveragedModel(pl_module, use_buffers=self._use_buffers, **self._kwargs)
+        super().on_fit_start(trainer, pl_module)  # type: ignore[misc]  # a subclass's own hook, if any
 
     def _swap_models(self, pl_module: LightningModule) -> None:
         _reshard(pl_module)  # after a forward the root's parameters may be gathered; values live in the shards
@@ -112,43 +118,39 @@ class _EMA:
         return get_ema_avg_fn(self.decay)(averaged, current, num_averaged)
 
 
-class StochasticWeightAveraging(_LightningSWA):
-    """Lightning's ``StochasticWeightAveraging`` (``swa_lrs``, ``swa_epoch_start``, ``annealing_epochs``,
-    ``annealing_strategy``, ``avg_fn``) for a model sharded by ``FSDP2Strategy``: the running average is a clone of each
-    rank's shards (``device`` must stay unset), and it is saved with the checkpoint as a state dict of its own
-    (``swa_average_model_state``, sharded or gathered like the model) rather than inside the callback's state.
+class _ShardedSWA:
+    """What changes in Lightning's ``StochasticWeightAveraging`` for a sharded model: the running average is a clone of
+    each rank's shards, made at ``on_fit_start``; the model's parameters are resharded before values are copied; the
+    average is saved with the checkpoint as a state dict of its own (``swa_average_model_state``, sharded or gathered
+    like the model) rather than inside the callback's state.
 
     Lightning's callback restores its learning-rate scheduler on the assumption that the checkpoint is loaded before
     the model is set up, which is not so with FSDP2: here the schedulers are cleared when the callback's state is
     loaded, so that the SWA scheduler's saved state is the one restored.
     """
 
-    def __init__(self, swa_lrs: float | list[float], *args: Any, device: Any = None, **kwargs: Any) -> None:
-        _check_device(self, device)
-        super().__init__(swa_lrs, *args, device=None, **kwargs)
-        self._trainer: Trainer | None = None
+    _average_model: Any
+    _trainer: Trainer | None = None
 
     def setup(self, trainer: Trainer, pl_module: LightningModule, stage: str) -> None:
         """Nothing yet: the model is built and sharded after this hook (see :meth:`on_fit_start`)."""
 
     def on_fit_start(self, trainer: Trainer, pl_module: LightningModule) -> None:
         _reshard(pl_module)
-        self._average_model = _mirror(pl_module)  # type: ignore[assignment]
+        self._average_model = _mirror(pl_module)
         self._trainer = trainer
-        super().on_fit_start(trainer, pl_module)
+        super().on_fit_start(trainer, pl_module)  # type: ignore[misc]
 
-    def update_parameters(  # type: ignore[override]
-        self, average_model: Any, model: LightningModule, n_averaged: Any, avg_fn: Any
-    ) -> None:
+    def update_parameters(self, average_model: Any, model: LightningModule, n_averaged: Any, avg_fn: Any) -> None:
         _reshard(model)
         _LightningSWA.update_parameters(average_model, model, n_averaged, avg_fn)
 
-    def transfer_weights(self, src_pl_module: Any, dst_pl_module: Any) -> None:  # type: ignore[override]
+    def transfer_weights(self, src_pl_module: Any, dst_pl_module: Any) -> None:
         _reshard(dst_pl_module)
         _LightningSWA.transfer_weights(src_pl_module, dst_pl_module)
 
     def state_dict(self) -> dict[str, Any]:
-        state = super().state_dict()
+        state = super().state_dict()  # type: ignore[misc]
         state["average_model_state"] = None  # in the checkpoint beside the model's (on_save_checkpoint)
         return state
 
@@ -156,9 +158,9 @@ class StochasticWeightAveraging(_LightningSWA):
         """Loaded from ``swa_average_model_state`` by :meth:`on_load_checkpoint`, not from the callback's state."""
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
-        super().load_state_dict(state_dict)
-        if self._scheduler_state is not None and self._trainer is not None:
-            self._clear_schedulers(self._trainer)  # before the trainer restores the schedulers' state (see above)
+        super().load_state_dict(state_dict)  # type: ignore[misc]
+        if self._scheduler_state is not None and self._trainer is not None:  # type: ignore[attr-defined]
+            _LightningSWA._clear_schedulers(self._trainer)  # before the trainer restores the schedulers' state
 
     def on_save_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         if self._average_model is not None:
@@ -167,6 +169,75 @@ class StochasticWeightAveraging(_LightningSWA):
     def on_load_checkpoint(self, trainer: Trainer, pl_module: LightningModule, checkpoint: dict[str, Any]) -> None:
         if self._average_model is not None and has_entry(checkpoint, "swa_average_model_state"):
             load_entry(self._average_model, checkpoint, "swa_average_model_state")
+
+
+class StochasticWeightAveraging(_ShardedSWA, _LightningSWA):
+    """Lightning's ``StochasticWeightAveraging`` (``swa_lrs``, ``swa_epoch_start``, ``annealing_epochs``,
+    ``annealing_strategy``, ``avg_fn``) for a model sharded by ``FSDP2Strategy``: the running average is a clone of each
+    rank's shards (``device`` must stay unset), and it is saved with the checkpoint as a state dict of its own
+    (``swa_average_model_state``, sharded or gathered like the model) rather than inside the callback's state.
+    Lightning's own class, given to the Trainer, gets the same behaviour."""
+
+    def __init__(self, swa_lrs: float | list[float], *args: Any, device: Any = None, **kwargs: Any) -> None:
+        _check_device(self, device)
+        super().__init__(swa_lrs, *args, device=None, **kwargs)
+        self._trainer = None
+
+
+_ADOPTED: dict[type, type] = {}
+
+
+def adopt(callback: Any) -> bool:
+    """Give one of Lightning's weight-averaging callbacks (``WeightAveraging``, ``EMAWeightAveraging``,
+    ``StochasticWeightAveraging`` or a subclass of them, a user's included) the sharded behaviour of this module, in
+    place: the instance's class becomes a subclass of its own class with the sharded mixin in front, so that its
+    arguments, state and overrides (``should_update`` and the rest) still apply. ``FSDP2Strategy`` calls it on the
+    Trainer's callbacks at the start of each run. Returns whether ``callback`` was adopted now (``False`` for another
+    callback or one already sharded).
+
+    The averaged copy stays with the shards, on the model's device: a ``device`` given to the callback is ignored,
+    with a warning (but for SWA's default, the CPU, which it ignores silently).
+    """
+    if isinstance(callback, (_ShardedAveraging, _ShardedSWA)):
+        return False
+    if isinstance(callback, _LightningWeightAveraging):
+        mixin: type = _ShardedAveraging
+    elif isinstance(callback, _LightningSWA):
+        mixin = _ShardedSWA
+    else:
+        return False
+    cls = type(callback)
+    if cls not in _ADOPTED:
+        # The same names as the user's class: Lightning keys the callback's state in a checkpoint by its
+        # __qualname__, which thus stays that of the class the user gave.
+        _ADOPTED[cls] = type(cls.__name__, (mixin, cls), {
+            "__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__,
+            "__reduce_ex__": _reduce_adopted,
+        })
+    callback.__class__ = _ADOPTED[cls]
+    device = getattr(callback, "_device", None)
+    default = isinstance(callback, _LightningSWA) and device is not None and torch.device(device).type == "cpu"
+    if device is not None and not default:
+        rank_zero_warn(
+            f"{cls.__name__}(device={device!r}) is ignored with FSDP2Strategy: the averaged copy is sharded like the"
+            " model (1/N of it on each rank) and stays on the model's device."
+        )
+    callback._device = None
+    if mixin is _ShardedSWA:
+        callback._trainer = None
+    return True
+
+
+def _reduce_adopted(self: Any, protocol: int) -> tuple:
+    """Pickle an adopted callback as its user's class (which pickle can find by name), adopted again when loaded."""
+    return _unpickle_adopted, (type(self).__bases__[1], self.__dict__)
+
+
+def _unpickle_adopted(cls: type, state: dict[str, Any]) -> Any:
+    callback = cls.__new__(cls)
+    callback.__dict__.update(state)
+    adopt(callback)
+    return callback
 
 
 class _ShardedAveragedModel(AveragedModel):

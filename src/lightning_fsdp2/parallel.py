@@ -66,6 +66,7 @@ from lightning_fsdp2.blocks import (
 from lightning_fsdp2.layout import Layout
 from lightning_fsdp2.options import StrategyOptions
 from lightning_fsdp2.quantize import shard_quantizing
+from lightning_fsdp2.step_access import make_step_accessible
 from lightning_fsdp2.peft_support import check_peft_supported, untrainable_reason
 from lightning_fsdp2.tensor_parallel import apply_tensor_parallel, broadcast_replicas
 from lightning_fsdp2.wrap import block_names, fsdp_roots, innermost, schedule_blocks, shard_model
@@ -197,6 +198,7 @@ def parallelize(
     apply_root_hooks(module, options)
     initialized = apply_values(module, options, pretrained, device, tensor_mesh)
     install_load_hooks(module)  # module.load_state_dict of whole tensors from here on (code written for one device)
+    make_step_accessible(module)  # `.item()`, `.tolist()`, `param.data = ...` in a step, as in one process
     return Parallelized(initialized=frozenset(initialized), quantized=frozenset(quantized), layout=layout, mesh=mesh,
                         layout_choice=choice)
 

@@ -248,29 +248,22 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
 
     def setup_environment(self) -> None:
         """Start the process group and build the device mesh."""
-        self._refuse_unsupported_callbacks()
+        self._adopt_averaging_callbacks()
         self._start_processes()
         if self._options.save.async_save and self._background is None:
             self._background = ckpt.BackgroundWriter()
         assert self.lightning_module is not None
         self.lightning_module._device_mesh = self._device_mesh  # as ModelParallelStrategy: visible in configure_model
 
-    def _refuse_unsupported_callbacks(self) -> None:
-        """Lightning's weight-averaging callbacks deep-copy the whole module (FSDP2 refuses to deep-copy a sharded
-        one; built before sharding, the copy would be unsharded, every rank holding the whole model) and copy values
-        between plain and sharded tensors: refused before any work, rather than failing in the middle of fit."""
-        from lightning.pytorch.callbacks import StochasticWeightAveraging, WeightAveraging
-
+    def _adopt_averaging_callbacks(self) -> None:
+        """Lightning's weight-averaging callbacks (``WeightAveraging``, ``EMAWeightAveraging``,
+        ``StochasticWeightAveraging``, a user's subclass) would deep-copy the whole module, which FSDP2 refuses for a
+        sharded one (and every rank would hold a whole copy): each is given the sharded behaviour of
+        :mod:`lightning_fsdp2.averaging` in place, its arguments and overrides kept (see
+        :func:`~lightning_fsdp2.averaging.adopt`), before any callback hook runs."""
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
-        ours = (averaging.WeightAveraging, averaging.EMAWeightAveraging, averaging.StochasticWeightAveraging)
-        refused = [type(c).__name__ for c in getattr(trainer, "callbacks", []) or []
-                   if isinstance(c, (WeightAveraging, StochasticWeightAveraging)) and not isinstance(c, ours)]
-        if refused:
-            raise ValueError(
-                f"{', '.join(refused)} does not work with FSDP2Strategy: it deep-copies the whole model, which a"
-                " sharded model cannot be (and every rank would hold a whole copy). Use the class of that name in"
-                " lightning_fsdp2.averaging (same arguments), which keeps the averaged copy sharded like the model."
-            )
+        for callback in getattr(trainer, "callbacks", []) or []:
+            averaging.adopt(callback)
 
     # ---------------------------------------------------------------- the model's road
     @contextmanager

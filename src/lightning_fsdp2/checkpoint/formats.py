@@ -17,7 +17,6 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.checkpoint import FileSystemWriter
 from torch.optim import Optimizer
 
 from lightning_fsdp2.checkpoint.background import BackgroundWriter, is_rank0, swap_into_place
@@ -179,7 +178,8 @@ def save_sharded(checkpoint: Mapping[str, Any], path: Path, *, background: Backg
         if is_rank0():
             delete(tmp)
         raise
-    writer = FileSystemWriter(tmp, overwrite=True)  # each shard a torch.save archive: torch's CRC-32s in it
+    # Each shard a torch.save archive, torch's CRC-32s in it; the index (a raw pickle) gets one appended.
+    writer = integrity.IndexChecksumWriter(tmp, overwrite=True)
     if background is not None:
         background.start(tensors, writer, tmp, path)
         return
@@ -266,8 +266,9 @@ def load(path: str, *, weights_only: bool | None, checkpoint_io: Any, verify: bo
         return LoadedCheckpoint(checkpoint_io.load_checkpoint(path, weights_only=weights_only), str(path), False)
     if verify:
         if Path(path).is_dir():
+            integrity.verify_index(path, together=True)  # before anything reads the index
             check_sharded_files(Path(path))  # a short or missing file is named as such first
-        integrity.verify(path, together=True)
+        integrity.verify(path, together=True, index=False)
     if Path(path).is_dir():
         return LoadedCheckpoint(read_sharded_meta(Path(path), weights_only=weights_only), str(path), True)
     return LoadedCheckpoint(load_torch_file(path, weights_only=weights_only), str(path), False)

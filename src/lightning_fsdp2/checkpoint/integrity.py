@@ -7,8 +7,14 @@ by torch while it writes them: a ``torch.save`` archive is a zip file whose dire
 (``torch.utils.serialization.config.save.compute_crc32``, on by default), and
 
 - ``"full"``: the file is such an archive (``torch.save``'s, or ours, :mod:`.stream`, written with torch's zip writer);
-- ``"sharded"`` (and ``async_save``): DCP writes each tensor shard as a ``torch.save`` archive inside its ``.distcp``
-  file (its default ``TORCH_SAVE`` format), at the offset its index (``.metadata``) gives; and ``meta.pt`` is one.
+- ``"sharded"`` (and ``async_save``): DCP writes each tensor shard, and each non-tensor item, as a ``torch.save``
+  archive inside its ``.distcp`` file (its default ``TORCH_SAVE`` format), back to back, at the offsets its index
+  (``.metadata``) gives; and ``meta.pt`` is one. The index is a raw pickle without a checksum: our writer
+  (:class:`IndexChecksumWriter`) appends its CRC-32 after the pickle, where ``pickle.load`` stops reading.
+
+An archive's records are also checked by name: torch's reader finds them by the names in the zip directory, zipfile
+by their local headers'; both copies must agree and follow torch's layout (:func:`_data_offset`,
+:func:`_name_problems`), read with the header that locates each record's data anyway.
 
 Nothing reads these CRC-32s back (``torch.load(mmap=True)`` maps the bytes straight into tensors). Here every record
 is read once and compared, before the load: the records are split over the ranks, each reading its share in file
@@ -16,16 +22,17 @@ order (sequential reads: storage serves them fastest) while threads compute the 
 (zlib releases the GIL; a record's chunks are combined as zlib's ``crc32_combine`` does), so a resume reads the
 checkpoint's bytes one more time in all, in parallel, at about the speed of reading them; then every rank learns
 every mismatch and all raise together, naming the file, the tensor and the rank that found it. Writing costs nothing
-more than torch already does.
+more than torch already does, but for the index's checksum (its small file read back once, 32 bytes appended).
 
 safetensors has no checksum of its own. The safetensors files we write (the converter's Hugging Face directory,
 ``lora.save_adapter``'s adapter) record each tensor's CRC-32 in their header's metadata (:data:`CRC_KEY`; a converter
 export split into several files, in its index's metadata), computed from memory before the write;
-``load_pretrained`` and ``lora.load_adapter`` verify them the same way before reading. Not covered: a sharded
-checkpoint's non-tensor items (DCP pickles them raw: an optimizer's ``param_groups``), checkpoints written with
-``compute_crc32`` off, ``lora.save_merged``'s files (transformers writes them), and files written by others: they
-load as before. CRC-32 (zlib's) detects every burst of up to 32 flipped bits and other damage with
-probability 1 - 2^-32; it is no defence against deliberate tampering (that takes a signature).
+``load_pretrained`` and ``lora.load_adapter`` verify them the same way before reading. Not covered: checkpoints
+written with ``compute_crc32`` off, a sharded index written without our checksum (by DCP itself, or before it:
+only read safely and checked against the shard files), the zip fields no reader uses (dates, attributes, padding),
+``lora.save_merged``'s files (transformers writes them), and files written by others: they load as before. CRC-32
+(zlib's) detects every burst of up to 32 flipped bits and other damage with probability 1 - 2^-32; it is no defence
+against deliberate tampering (that takes a signature).
 """
 
 from __future__ import annotations
@@ -35,9 +42,11 @@ import io
 import json
 import os
 import queue
+import re
 import threading
 import zipfile
 import zlib
+from collections import Counter
 from collections.abc import Callable, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
@@ -47,6 +56,7 @@ from typing import Any, NamedTuple
 import torch
 import torch.distributed as dist
 from torch import Tensor
+from torch.distributed.checkpoint import FileSystemWriter
 
 from lightning_fsdp2.checkpoint.files import META_FILENAME, CheckpointFileError
 from lightning_fsdp2.checkpoint.safe_dcp import read_dcp_metadata
@@ -280,18 +290,29 @@ TURN_OFF = ("FSDP2Strategy(verify_checkpoints=False); lightning-fsdp2-convert --
             " read_full_checkpoint(..., verify=False)")
 
 
-def verify(path: str | os.PathLike, *, together: bool) -> None:
+def verify(path: str | os.PathLike, *, together: bool, index: bool = True) -> None:
     """Verify the checksums of the checkpoint at ``path`` (a full checkpoint file or a sharded directory); raise a
     :class:`CheckpointFileError` naming each damaged file, tensor and the rank that found it. ``together``: every
-    rank calls this, each verifying a share; all raise alike. A checkpoint without checksums passes."""
+    rank calls this, each verifying a share; all raise alike. A checkpoint without checksums passes. A sharded
+    one's index first (:func:`verify_index`; ``index=False``: the caller did)."""
     path = Path(path)
     if path.is_dir():
+        if index:
+            verify_index(path, together=together)
         pieces = _sharded_pieces(path) + _archive_pieces(path / META_FILENAME)  # meta.pt: a torch.save archive
     elif path.is_file() and zipfile.is_zipfile(path):
         pieces = _archive_pieces(path)
     else:
         return
     _verify_pieces(pieces, f"The checkpoint {path}", TURN_OFF, together=together)
+
+
+def verify_index(path: str | os.PathLike, *, together: bool) -> None:
+    """Verify the CRC-32 that :class:`IndexChecksumWriter` appended to the sharded checkpoint ``path``'s index
+    (``.metadata``), before anything reads the index; raise as :func:`verify`. One rank reads it (a small file)."""
+    path = Path(path)
+    _verify_pieces([_Piece(0, (str(path / INDEX_FILENAME), 0), lambda files: _index_problems(path / INDEX_FILENAME))],
+                   f"The checkpoint {path}", TURN_OFF, together=together)
 
 
 def verify_safetensors(files: list[Path], *, together: bool, turn_off: str) -> None:
@@ -353,6 +374,60 @@ def _shares(pieces: list[_Piece], world: int) -> list[list[_Piece]]:
     return [sorted(share, key=lambda p: p.where) for share in shares]
 
 
+# ------------------------------------------------------------------------------------------------ DCP's index
+INDEX_FILENAME = ".metadata"
+INDEX_CHECKSUM = b"\nlightning_fsdp2.crc32="
+"""What :class:`IndexChecksumWriter` appends to a sharded checkpoint's index (DCP's ``.metadata``, a raw pickle with
+no checksum of its own), followed by the CRC-32 of every byte before it (8 hex digits) and a newline. ``pickle.load``
+stops at the pickle's end (its ``STOP``), so torch (``FileSystemReader``) and everyone else read the file as before."""
+_INDEX_TRAILER = len(INDEX_CHECKSUM) + 9
+
+
+class IndexChecksumWriter(FileSystemWriter):
+    """torch's ``FileSystemWriter``, which then appends :data:`INDEX_CHECKSUM` and the CRC-32 of the index it has
+    just written (on the coordinating rank, in ``finish``; read back from the page cache: a few KB to MB). Each
+    tensor and non-tensor item is a ``torch.save`` archive with CRC-32s of its own."""
+
+    def finish(self, metadata: Any, results: Any) -> None:
+        super().finish(metadata, results)
+        rank = getattr(self, "rank", None)
+        name = f"__{rank}{INDEX_FILENAME}" if not getattr(self, "use_collectives", True) and rank is not None else (
+            INDEX_FILENAME)
+        with open(Path(self.path) / name, "r+b") as f:
+            data = f.read()
+            f.write(INDEX_CHECKSUM + b"%08x\n" % zlib.crc32(data))
+            f.flush()
+            if getattr(self, "sync_files", True):
+                os.fsync(f.fileno())
+
+
+def _index_problems(file: Path) -> list[str]:
+    """What is wrong with a sharded checkpoint's index: its bytes against the CRC-32 appended to them, or bytes after
+    the pickle that are no such checksum (one damaged). An index without one (written by torch, by others, or before
+    this check) passes: the safe reader (:func:`~.safe_dcp.read_dcp_metadata`) and the shard files' checks are all
+    it gets."""
+    try:
+        data = file.read_bytes()
+    except FileNotFoundError:
+        return []  # not a sharded checkpoint of DCP's: the load names what is missing
+    except OSError as err:
+        return [f"{file.name}: {type(err).__name__}: {err}"]
+    trailer = data[-_INDEX_TRAILER:]
+    if trailer.startswith(INDEX_CHECKSUM) and trailer.endswith(b"\n"):
+        try:
+            recorded = int(trailer[len(INDEX_CHECKSUM):-1], 16)
+        except ValueError:
+            recorded = None
+        if recorded is not None and zlib.crc32(data[:-_INDEX_TRAILER]) == recorded:
+            return []
+        if recorded is not None:
+            return [f"{file.name}: the checkpoint's index does not match the CRC-32 written with it"]
+    if data.endswith(b"."):  # a pickle's last byte (STOP), which the checksum's never is: an index without one
+        return []
+    return [f"{file.name}: the checkpoint's index ends in bytes that are neither its pickle's end nor the CRC-32"
+            " written with it (a damaged checksum, or a file cut short)"]
+
+
 def _archive_pieces(path: Path) -> list[_Piece]:
     """A ``torch.save`` archive's records, each checked against the CRC-32 in the archive's directory."""
     try:
@@ -378,13 +453,17 @@ def _archive_pieces(path: Path) -> list[_Piece]:
             with zipfile.ZipFile(path) as archive, archive.open(info) as record:  # not torch's: zipfile checks it
                 while record.read(CHUNK):
                     pass
+        except _Damaged as err:
+            return [f"{path.name}: {err}"]
         except Exception as err:  # noqa: BLE001 - a bad CRC-32, or damage met first (EOF, I/O error)
             return [named(info, "" if isinstance(err, zipfile.BadZipFile) and "CRC" in str(err)
                           else f"; {type(err).__name__}: {err}")]
         return []
 
+    structure = [f"{path.name}: {problem}" for problem in _name_problems(infos)]
     return [_Piece(info.file_size, (str(path), info.header_offset), functools.partial(check, info),
-                   ((path, info.header_offset, HEADER),)) for info in infos]
+                   ((path, info.header_offset, HEADER),)) for info in infos] + (
+        [_Piece(0, (str(path), -1), lambda files: structure)] if structure else [])
 
 
 def _record_names(path: Path) -> dict[str, str]:
@@ -437,38 +516,85 @@ def _sharded_pieces(path: Path) -> list[_Piece]:
     except Exception:  # noqa: BLE001 - the load names a bad index itself
         return []
 
-    def named(fqn: str, name: str, note: str) -> str:
-        return f"file {name!r}, tensor {fqn!r}" + (f" ({note[2:]})" if note else "")
+    def named(fqn: str, name: str, note: str, kind: str = "tensor") -> str:
+        return f"file {name!r}, {kind} {fqn!r}" + (f" ({note[2:]})" if note else "")
 
-    def check(fqn: str, name: str, offset: int, length: int, files: _Files) -> list[_Record | str]:
+    def check(fqn: str, name: str, offset: int, length: int, pickled: bool, files: _Files) -> list[_Record | str]:
+        kind = "item" if pickled else "tensor"  # pickled: a non-tensor item (an optimizer's param_groups values)
         try:
-            with zipfile.ZipFile(_Window(files, path / name, offset, length)) as archive:
-                infos = [info for info in archive.infolist() if info.CRC]
-            return [_Record(path / name, _data_offset(files, path / name, offset, info), info.file_size, info.CRC,
-                            functools.partial(named, fqn, name)) for info in infos]
+            try:
+                with zipfile.ZipFile(_Window(files, path / name, offset, length)) as archive:
+                    infos = archive.infolist()
+            except zipfile.BadZipFile:
+                if pickled:  # a non-tensor item not written by torch.save (DCP's since 2.0 are): loaded as before
+                    return []
+                raise
+            if not any(info.CRC for info in infos):
+                return []  # written without CRC-32s (torch's compute_crc32 off)
+            problems: list[_Record | str] = [named(fqn, name, f"; {p}", kind) for p in _name_problems(infos)]
+            return problems + [_Record(path / name, _data_offset(files, path / name, offset, info), info.file_size,
+                                       info.CRC, functools.partial(named, fqn, name, kind=kind)) for info in infos]
         except Exception as err:  # noqa: BLE001 - damage met first (a broken archive, a missing file, I/O)
-            return [named(fqn, name, f"; {type(err).__name__}: {err}")]
+            note = f"; {err}" if isinstance(err, _Damaged) else f"; {type(err).__name__}: {err}"
+            return [named(fqn, name, note, kind)]
 
     items = metadata.storage_data or {}
     return [_Piece(info.length, (str(path / info.relative_path), info.offset),
-                   functools.partial(check, index.fqn, info.relative_path, info.offset, info.length),
+                   functools.partial(check, index.fqn, info.relative_path, info.offset, info.length,
+                                     isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata)),
                    ((path / info.relative_path, info.offset, HEADER),  # its first records' headers
                     (path / info.relative_path, info.offset + info.length - HEADER, HEADER)))  # its directory
             for index, info in items.items()
-            if not isinstance(metadata.state_dict_metadata.get(index.fqn), BytesStorageMetadata)
-            and not getattr(info, "transform_descriptors", None)]  # compressed by a DCP extension: not torch's bytes
+            if not getattr(info, "transform_descriptors", None)]  # compressed by a DCP extension: not torch's bytes
+
+
+class _Damaged(Exception):
+    """Damage to an archive's structure (a record's name, a local header): its message says what, for the report."""
+
+
+_LOCAL_HEADER = b"PK\x03\x04"
 
 
 def _data_offset(files: _Files, path: Path, base: int, info: zipfile.ZipInfo) -> int:
     """Where the bytes of a stored (uncompressed: torch's) record start in ``path``, whose archive starts at
-    ``base``: after the record's local header, whose name and extra field (torch pads it) have lengths of their own."""
+    ``base``: after the record's local header, whose name and extra field (torch pads it) have lengths of their own.
+    The header must be one (its signature) and hold the name the directory gives (torch's reader looks records up by
+    the directory's names, zipfile's by the header's: a byte flipped in either copy is named here)."""
     if info.compress_type != zipfile.ZIP_STORED:
         raise zipfile.BadZipFile(f"record {info.filename!r} is compressed: not a torch archive")
-    lengths = files.read(path, base + info.header_offset + 26, 4)
-    if len(lengths) < 4:
+    expected = info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")
+    header = files.read(path, base + info.header_offset, 30 + len(expected))  # one read: prefetched with the rest
+    if len(header) < 30:
         raise EOFError(f"the file ends before record {info.filename!r}")
-    name_length, extra_length = int.from_bytes(lengths[:2], "little"), int.from_bytes(lengths[2:], "little")
+    name_length, extra_length = int.from_bytes(header[26:28], "little"), int.from_bytes(header[28:30], "little")
+    if header[:4] != _LOCAL_HEADER:
+        raise _Damaged(f"record {info.orig_filename!r}: no local header where the zip directory places it")
+    if header[30:] != expected or name_length != len(expected):
+        local = files.read(path, base + info.header_offset + 30, min(name_length, 1024))
+        raise _Damaged(f"record name {info.orig_filename!r} in the zip directory, "
+                       f"{local.decode('cp437')!r} in its local header")
     return base + info.header_offset + 30 + name_length + extra_length
+
+
+_TORCH_DATA = re.compile(r"data/[0-9]+")  # torch.save's storage keys (and DCP's, and our streamed writer's)
+
+
+def _name_problems(infos: list[zipfile.ZipInfo]) -> list[str]:
+    """What is wrong with an archive's record names against torch's layout: every record under one top folder, one
+    ``data.pkl``, each name once, storages as ``data/<number>``. Other names (``version``, ``byteorder``...) differ
+    between torch versions: those are only compared with their local headers (:func:`_data_offset`)."""
+    names = [info.orig_filename for info in infos]
+    pickled = [n for n in names if n.endswith("/data.pkl") and n.count("/") == 1]
+    if len(pickled) != 1:
+        return [f"no single record 'data.pkl' in the zip directory (its names: {names[:8]!r})"]
+    prefix = pickled[0][: -len("data.pkl")]
+    problems = [f"record name {n!r} in the zip directory is not under {prefix!r}, as the others are"
+                for n in names if not n.startswith(prefix)]
+    problems += [f"record name {n!r} in the zip directory is not a storage's (data/<number>)" for n in names
+                 if n.startswith(prefix + "data/") and not _TORCH_DATA.fullmatch(n[len(prefix):])]
+    problems += [f"record name {n!r} appears {count} times in the zip directory"
+                 for n, count in Counter(names).items() if count > 1]
+    return problems
 
 
 class _Window(io.RawIOBase):
