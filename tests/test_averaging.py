@@ -5,6 +5,7 @@ through both checkpoint formats."""
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import lightning as L
 import pytest
@@ -313,3 +314,10 @@ def test_adopting_keeps_the_users_class_and_overrides() -> None:
     with pytest.warns(UserWarning, match=r"WeightAveraging\(device=.*cpu.*\) is ignored with FSDP2Strategy"):
         averaging.adopt(offloaded)
     assert offloaded._device is None
+
+    class OwnSetup(WeightAveraging):  # a hook the sharded form replaces: named, not silently skipped
+        def setup(self, trainer: Any, pl_module: Any, stage: str) -> None:
+            raise AssertionError("not called")
+
+    with pytest.warns(UserWarning, match=r"OwnSetup overrides setup, which FSDP2Strategy runs in its sharded form"):
+        averaging.adopt(OwnSetup())

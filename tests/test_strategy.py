@@ -505,7 +505,9 @@ def _second_trainer(start_state: dict, path: str, second: dict, reuse: bool = Tr
     first.save_checkpoint(path)
     if not reuse:
         module = LlamaModule(start_state=start_state)
-    shards = list(module.model.parameters()) if reuse else []
+    if second.get("rebuild"):  # `configure_model` without its guard: it builds the layers anew
+        module.model = None
+    shards = list(module.model.parameters()) if reuse and module.model is not None else []
     strategy = FSDP2Strategy(**second.get("strategy", {}))
     kwargs = _trainer_kwargs(max_steps=4, precision=second.get("precision", "32-true"))
     try:
@@ -531,3 +533,5 @@ def test_a_second_trainer_takes_the_module_a_first_one_set_up(tmp_path) -> None:
         assert "set up by an earlier run of FSDP2Strategy" in got["error"], got
         assert "precision: '32-true' then, 'bf16-true' now" in got["error"], got["error"]
         assert "shard:" in got["error"] and "save a checkpoint" in got["error"], got["error"]
+    for got in run_distributed(_second_trainer, 2, start, str(tmp_path / "c.ckpt"), {"rebuild": True}):
+        assert "built new layers" in got["error"] and "return early" in got["error"], got["error"]

@@ -173,7 +173,8 @@ class FrontEndCore:
         # Elsewhere (Lightning's launchers, SLURM and its requeues, torchrun with TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1)
         # rank 0 hosts a new store for each start: nothing stale to read.
         store = None
-        if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not _distributed_is_initialized():
+        torchrun = type(self.cluster_environment).__name__ == "TorchElasticEnvironment"  # type: ignore[attr-defined]
+        if torchrun and os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and not _distributed_is_initialized():
             env, rank, world_size = self.cluster_environment, self.global_rank, self.world_size  # type: ignore[attr-defined]
             agent_store = torch.distributed.TCPStore(env.main_address, env.main_port, world_size, is_master=False,
                                                      timeout=timeout)
@@ -212,15 +213,24 @@ class FrontEndCore:
         assert request is not None, "the processes are set up first"
         options = self._options
         # What decides how the model is laid out (not the options about saving, waiting or the process group).
-        shaping = ("tensor_parallel", "shard", "checkpointing", "compile", "prefetch", "offload_activations", "init")
+        shaping = ("tensor_parallel", "shard", "checkpointing", "compile", "prefetch", "offload_activations", "init",
+                   "forward_check")
         settings = {"processes": self.world_size, "layout": request, "device": self.root_device.type,  # type: ignore[attr-defined]
-                    "precision": getattr(precision, "precision", None),
+                    "module_is_root": module_is_root, "precision": getattr(precision, "precision", None),
                     "adapter_dtype": getattr(precision, "adapter_dtype", None),
                     **{name: getattr(options, name) for name in shaping}}
-        earlier = earlier_set_up(module, settings)
+        earlier = earlier_set_up(module, settings, training)
         if earlier is not None:
             # A model an earlier Trainer (or Fabric) set up, taken as it is: its layout and mesh become this run's.
+            if self._deferred.take(module).loads:
+                raise RuntimeError(
+                    f"`load_pretrained` was called on {type(module).__name__} again, for a model an earlier run of"
+                    " FSDP2Strategy set up and loaded: make `configure_model` return early when the model exists"
+                    " (`if self.model is not None: return`), or load into the set-up model with"
+                    " `model.load_state_dict(...)`."
+                )
             self._layout, self._device_mesh = earlier.layout, earlier.mesh
+            self._layout_choice = earlier.layout_choice
             precision.compute_as(options.shard.mixed_precision or precision.mixed_precision_policy, self.root_device)
             return earlier
         result = parallelize(
@@ -237,7 +247,7 @@ class FrontEndCore:
         if result.layout_choice is not None:  # the first model set up with "auto": its layout is the strategy's
             self._layout, self._device_mesh, self._layout_choice = result.layout, result.mesh, result.layout_choice
             rank_zero_info(result.layout_choice.describe())
-        remember_set_up(module, result, {**settings, "layout": result.layout})
+        remember_set_up(module, result, {**settings, "layout": result.layout}, training)
         return result
 
     # ---------------------------------------------------------------- collectives
@@ -282,8 +292,9 @@ def _attempt_store(store: torch.distributed.Store, rank: int, world_size: int,
     The attempt cannot be named by ``TORCHELASTIC_RESTART_COUNT``: each node's agent counts its own restarts, and one
     restarted for another node's failure does not count it (pytorch/pytorch#135712, #108158); ranks in different
     namespaces would wait for each other until the timeout. So rank 0 draws the name and hands it to each rank in
-    answer to a nonce that rank drew: an answer that carries a rank's nonce comes from this attempt's rank 0, never
-    from the keys of an earlier attempt. Rank 0 answers until every rank has counted itself in under the name."""
+    answer to a nonce that rank drew (under a key named by the nonce, so no rank reads an earlier attempt's answer;
+    torchrun ends every process of an attempt before it starts the next). Rank 0 answers until every rank has
+    counted itself in under the name."""
     prefix = "lightning_fsdp2/attempts/"
     nonce = uuid.uuid4().hex
     deadline = time.monotonic() + timeout.total_seconds()
@@ -296,16 +307,17 @@ def _attempt_store(store: torch.distributed.Store, rank: int, world_size: int,
     if rank == 0:
         name = nonce
         hello = [f"{prefix}hello/{r}" for r in range(1, world_size)]
-        welcome = [f"{prefix}welcome/{r}" for r in range(1, world_size)]
         store.wait(hello, timeout)  # present: this attempt's nonces, or an earlier attempt's (answered until replaced)
+        answered: set[str] = set()
         while store.add(f"{prefix}{name}/joined", 0) < world_size - 1:
-            store.multi_set(welcome, [f"{n.decode()}:{name}" for n in store.multi_get(hello)])
+            fresh = {n.decode() for n in store.multi_get(hello)} - answered
+            if fresh:
+                store.multi_set([f"{prefix}welcome/{n}" for n in fresh], [name] * len(fresh))
+                answered |= fresh
             wait_a_little("the other ranks to start the process group")
     else:
         store.set(f"{prefix}hello/{rank}", nonce)
-        while not (answer := store.get(f"{prefix}welcome/{rank}").decode()).startswith(f"{nonce}:"):
-            wait_a_little("rank 0 to start the process group")
-        name = answer.split(":", 1)[1]
+        name = store.get(f"{prefix}welcome/{nonce}").decode()  # waits (the store's timeout) for this nonce's answer
         store.add(f"{prefix}{name}/joined", 1)
     return torch.distributed.PrefixStore(f"{prefix}{name}/", store)
 

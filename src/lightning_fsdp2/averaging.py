@@ -185,14 +185,20 @@ class StochasticWeightAveraging(_ShardedSWA, _LightningSWA):
 
 
 _ADOPTED: dict[type, type] = {}
+_REPLACED = {
+    _ShardedAveraging: ("setup", "on_load_checkpoint"),
+    _ShardedSWA: ("setup", "update_parameters", "transfer_weights", "on_save_checkpoint", "on_load_checkpoint",
+                  "_load_average_model_state"),
+}
 
 
 def adopt(callback: Any) -> bool:
     """Give one of Lightning's weight-averaging callbacks (``WeightAveraging``, ``EMAWeightAveraging``,
     ``StochasticWeightAveraging`` or a subclass of them, a user's included) the sharded behaviour of this module, in
     place: the instance's class becomes a subclass of its own class with the sharded mixin in front, so that its
-    arguments, state and overrides (``should_update`` and the rest) still apply. ``FSDP2Strategy`` calls it on the
-    Trainer's callbacks at the start of each run. Returns whether ``callback`` was adopted now (``False`` for another
+    arguments, state and overrides (``should_update`` and the rest) still apply, but for overrides of the hooks the
+    mixin runs in sharded form (``setup``, ``on_load_checkpoint`` and the like: named in a warning). ``FSDP2Strategy``
+    calls it on the Trainer's callbacks at the start of each run. Returns whether ``callback`` was adopted now (``False`` for another
     callback or one already sharded).
 
     The averaged copy stays with the shards, on the model's device: a ``device`` given to the callback is ignored,
@@ -215,6 +221,17 @@ def adopt(callback: Any) -> bool:
             "__reduce_ex__": _reduce_adopted,
         })
     callback.__class__ = _ADOPTED[cls]
+    # The mixin's hooks that do not call on to the user's class (the others, on_fit_start and the like, do).
+    replaced = _REPLACED[mixin]
+    users = [base for base in cls.__mro__ if base is not object
+             and not base.__module__.startswith(("lightning.", "pytorch_lightning."))]
+    bypassed = sorted({name for base in users for name in vars(base) if name in replaced})
+    if bypassed:
+        rank_zero_warn(
+            f"{cls.__name__} overrides {', '.join(bypassed)}, which FSDP2Strategy runs in its sharded form instead (the"
+            " averaged copy is made and restored shard by shard): those overrides are not called. Move that code to"
+            " other hooks (`should_update`, `on_train_batch_end`, ...), which run as written."
+        )
     device = getattr(callback, "_device", None)
     default = isinstance(callback, _LightningSWA) and device is not None and torch.device(device).type == "cpu"
     if device is not None and not default:

@@ -114,38 +114,56 @@ class SetUp:
     settings: dict[str, object]
     """What decided the model's layout: the processes, the layout asked for, the options that shape the model, the
     precision."""
+    parameters: frozenset[int]
+    """The ids of the parameters it set up: another set means ``configure_model`` built layers anew."""
+    training: bool
+    """Set up for training (what training alone checks was checked)."""
 
 
 _SET_UP = "_lightning_fsdp2_set_up"
 
 
-def remember_set_up(module: nn.Module, parallelized: Parallelized, settings: dict[str, object]) -> None:
+def remember_set_up(module: nn.Module, parallelized: Parallelized, settings: dict[str, object],
+                    training: bool) -> None:
     """Keep on ``module`` how it was set up, for a later run given the same model (a second ``Trainer``)."""
-    object.__setattr__(module, _SET_UP, SetUp(parallelized, settings))  # not a submodule, not in state_dict
+    ids = frozenset(id(p) for p in module.parameters())
+    object.__setattr__(module, _SET_UP, SetUp(parallelized, settings, ids, training))  # not a submodule, nor state
 
 
-def earlier_set_up(module: nn.Module, settings: dict[str, object]) -> Parallelized | None:
+def earlier_set_up(module: nn.Module, settings: dict[str, object], training: bool) -> Parallelized | None:
     """What an earlier run of this package did to ``module``, if it did set it up: reused when ``settings`` (this
-    run's) lay it out the same way, in the same process group; otherwise refused on every rank alike (all hold the
-    same model and settings), saying what differs and what to do."""
+    run's) lay it out the same way, in the same process group, with the same layers; otherwise refused on every rank
+    alike (all hold the same model and settings), saying what differs and what to do."""
     earlier: SetUp | None = module.__dict__.get(_SET_UP)
     if earlier is None:
         return None
     import torch.distributed as dist
 
+    check_not_rebuilt(module)
+    if frozenset(id(p) for p in module.parameters()) != earlier.parameters:
+        raise RuntimeError(
+            f"`configure_model` built new layers into {type(module).__name__}, which an earlier run of FSDP2Strategy"
+            " set up: Lightning calls it again for every `fit`/`validate`/`test`/`predict`, and for a new Trainer."
+            " Make it return early when the layers exist (`if self.model is not None: return`), so that the model"
+            " the earlier run set up is taken as it is."
+        )
+    if training and not earlier.training:  # set up for evaluation, now trained: what only training needs
+        check_trainable(module)
+        check_peft_supported(module, training=True)
     mesh = earlier.parallelized.mesh
-    alive = mesh is None or (dist.is_initialized() and all(
-        dist.get_world_size(group) > 0 for group in mesh.get_all_groups()))
+    groups = dist.distributed_c10d._world.pg_map if dist.is_initialized() else {}
+    alive = mesh is None or all(group in groups for group in mesh.get_all_groups())
     differs = {name: (was, now) for name, was in earlier.settings.items()
                if (now := settings.get(name)) != was and not (name == "layout" and isinstance(now, AutoLayout))}
     if alive and not differs:
         return earlier.parallelized
     why = (", ".join(f"{name}: {was!r} then, {now!r} now" for name, (was, now) in differs.items())
-           if differs else "its process group is gone (an earlier run's processes ended)")
+           if differs else "its process group is gone (destroyed, or an earlier run's processes ended)")
     raise RuntimeError(
         f"{type(module).__name__} was set up by an earlier run of FSDP2Strategy, which laid it out otherwise ({why})."
         " A model is taken again as it is by a later Trainer or Fabric run with the same layout, options and"
-        " precision; a sharded model cannot be laid out again in place. Use the same strategy settings, or save a"
+        " precision (functions, policies and tensor-parallel styles among the options compare as objects: pass the"
+        " same ones); a sharded model cannot be laid out again in place. Use the same strategy settings, or save a"
         " checkpoint (`trainer.save_checkpoint`), build the model anew and resume from it: checkpoints load into any"
         " layout."
     )

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.optim.optimizer import _foreach_supported_types as _optimizer_types
+from torch.utils._foreach_utils import _foreach_supported_types as _foreach_types
 
 from lightning_fsdp2.checkpoint.module_load import _shard_of, _whole
 from lightning_fsdp2.quantize import is_nf4
@@ -37,6 +39,17 @@ class ShardedParameter(DTensor):
     """A sharded parameter whose values step code reads and writes as in one process (see the module's doc)."""
 
     __slots__ = ()
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> Tensor:
+        """A copy of the shard, as ``copy.deepcopy`` of a ``DTensor`` parameter gives (torch requires a subclass's
+        ``clone()`` to keep the class; ``DTensor``'s ops return ``DTensor``)."""
+        copy = nn.Parameter(self.detach().clone(), requires_grad=self.requires_grad)
+        memo[id(self)] = copy
+        return copy
+
+    def __reduce_ex__(self, protocol: Any) -> Any:
+        """Pickled as the ``DTensor`` it is (so that ``torch.load(weights_only=True)`` knows the class)."""
+        return DTensor.__reduce_ex__(self.detach(), protocol)
 
     def tolist(self) -> Any:  # type: ignore[override]
         """The whole parameter as nested lists, gathered: call it on every rank."""
@@ -66,6 +79,12 @@ class ShardedParameter(DTensor):
                 self.to_local().copy_(value.to_local())
             else:
                 self.to_local().copy_(_shard_of(self, lambda index: _whole(value)[index]).to_local())
+
+
+# torch's optimizers take their fast `foreach` path only for the tensor types listed here (torch lists DTensor).
+for _types in (_optimizer_types, _foreach_types):
+    if ShardedParameter not in _types:
+        _types.append(ShardedParameter)
 
 
 def _whole_item(op: Any, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
