@@ -12,6 +12,7 @@ import pytest
 import torch
 from torch import nn
 
+from lightning_fsdp2 import FSDP2Strategy
 from tests.helpers import run_distributed
 from tests.models import quiet_trainer_kwargs
 
@@ -27,6 +28,8 @@ class StepAccess(L.LightningModule):
         weight = self.layer.weight
         if self.mode == "read":
             self.seen += [weight.item(), weight.tolist()[0][0], float(weight), int(weight * 1000), bool(weight > 0)]
+            if isinstance(self.trainer.strategy, FSDP2Strategy):  # what printing shows: where the values are
+                self.printed = str(weight)
         elif self.mode == "assign":  # Lightning's spike-detection test: a reset of the weights, then the layer
             weight.data = torch.ones_like(weight.data)
             self.layer.bias.data = torch.full((1,), 0.5)  # a whole tensor, as one process would give it
@@ -48,13 +51,11 @@ class StepAccess(L.LightningModule):
 
 
 def _fit(mode: str, strategy: str) -> list[Any]:
-    from lightning_fsdp2 import FSDP2Strategy
-
     torch.manual_seed(0)
     module = StepAccess(mode)
     L.Trainer(accelerator="cpu", devices=2, strategy=FSDP2Strategy() if strategy == "fsdp2" else "ddp", max_steps=2,
               **quiet_trainer_kwargs()).fit(module)
-    return module.seen
+    return module.seen + ([module.printed] if hasattr(module, "printed") else [])
 
 
 @pytest.mark.parametrize("mode", ["read", "assign"])
@@ -65,6 +66,9 @@ def test_reads_and_writes_of_parameters_in_a_step_behave_as_under_ddp(mode: str)
     want = run_distributed(_fit, 2, mode, "ddp")
     got = run_distributed(_fit, 2, mode, "fsdp2")
     for rank in range(2):
+        if mode == "read":  # printing: the shape, this rank's shard, how to see the whole tensor
+            printed = got[rank].pop()
+            assert "Sharded parameter of shape (1, 1)" in printed and "param.full_tensor()" in printed, printed
         assert got[rank] == pytest.approx(want[rank], abs=1e-6), (rank, got[rank], want[rank])
 
 

@@ -13,8 +13,8 @@ the whole tensor, gathered from every rank (every rank runs the step, as in one 
 ``DTensor`` dispatcher calls for that op (it otherwise reads the local shard as if it were the whole tensor). And
 each sharded parameter's class becomes :class:`ShardedParameter`, a ``DTensor`` whose ``tolist()`` gathers too and
 whose ``.data`` assignment copies the new values into the shards (each rank its slice). Everything else is
-``DTensor``'s own; printing a parameter shows ``DTensor``'s own text (this rank's shard): gathering there would make
-a ``print`` on rank 0 alone wait for the other ranks.
+``DTensor``'s own. Printing a parameter shows its shape, this rank's shard and how to see the whole tensor (with
+``param.full_tensor()`` on every rank): gathering there would make a ``print`` on rank 0 alone wait for the others.
 
 Why not keep small parameters whole instead: FSDP2 manages only shards; a plain tensor beside them would need its
 gradients reduced by hand, and torch's optimizers (``foreach``) and ``clip_grad_norm_`` fail on lists that mix
@@ -50,6 +50,17 @@ class ShardedParameter(DTensor):
     def __reduce_ex__(self, protocol: Any) -> Any:
         """Pickled as the ``DTensor`` it is (so that ``torch.load(weights_only=True)`` knows the class)."""
         return DTensor.__reduce_ex__(self.detach(), protocol)
+
+    def __repr__(self, *args: Any, **kwargs: Any) -> str:  # type: ignore[override]
+        """Shape, layout and this rank's shard, and how to see the whole tensor: gathering here would make a
+        ``print`` on rank 0 alone wait for ranks that never come."""
+        return (
+            f"Sharded parameter of shape {tuple(self.shape)}, {self.dtype}, {tuple(self.placements)} over"
+            f" {self.device_mesh.size()} ranks; this rank's shard: {self.to_local().detach()!r}. For the whole tensor,"
+            " compute `param.full_tensor()` on every rank (then print it where you like)."
+        )
+
+    __str__ = __repr__
 
     def tolist(self) -> Any:  # type: ignore[override]
         """The whole parameter as nested lists, gathered: call it on every rank."""
