@@ -32,15 +32,16 @@ class CrashingModule(ResumeModule):
     def on_train_batch_start(self, batch: torch.Tensor, batch_idx: int) -> None:
         if self.global_rank == 1 and self.trainer.global_step + 1 == self.crash_at and not self.marker.exists():
             self.marker.touch()
-            print(f"rank 1 dies at step {self.crash_at}", flush=True)
+            os.write(1, f"rank 1 dies at step {self.crash_at}\n".encode())
             os._exit(1)
 
 
 def main(pretrained: str, out: str, ckpt_dir: str, fmt: str, crash_at: int, devices: int, num_nodes: int) -> None:
     last = Path(ckpt_dir) / "last.ckpt"
     resume = str(last) if last.exists() else None
-    print(f"attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT')} rank {os.environ.get('RANK')} resumes from {resume}",
-          flush=True)
+    # One write each (print writes the text and the newline apart): the two ranks share torchrun's output.
+    os.write(1, f"attempt {os.environ.get('TORCHELASTIC_RESTART_COUNT')} rank {os.environ.get('RANK')} resumes from"
+                f" {resume}\n".encode())
     module = CrashingModule(pretrained, crash_at, Path(f"{out}.crashed"))
     checkpoints = ModelCheckpoint(dirpath=ckpt_dir, save_last=True, every_n_train_steps=1)
     kwargs = {**quiet_trainer_kwargs(), "enable_checkpointing": True}
