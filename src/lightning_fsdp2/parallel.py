@@ -40,6 +40,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
+import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
@@ -137,8 +138,6 @@ def earlier_set_up(module: nn.Module, settings: dict[str, object], training: boo
     earlier: SetUp | None = module.__dict__.get(_SET_UP)
     if earlier is None:
         return None
-    import torch.distributed as dist
-
     check_not_rebuilt(module)
     if frozenset(id(p) for p in module.parameters()) != earlier.parameters:
         raise RuntimeError(

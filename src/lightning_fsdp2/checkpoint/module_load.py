@@ -106,9 +106,9 @@ def _to_local_shards(
             continue
         if not isinstance(tensor, DTensor) or not isinstance(value, Tensor) or tuple(value.shape) != tuple(tensor.shape):
             continue  # torch's own copy (a plain tensor), or its own messages (not a tensor, size mismatch)
-        if isinstance(value, DTensor) and (value.device_mesh, value.placements, value.dtype) == (
-            tensor.device_mesh, tensor.placements, tensor.dtype
-        ) and value.to_local().device == tensor.to_local().device:
+        if _same_layout(value, tensor) and value.dtype == tensor.dtype and (
+            value.to_local().device == tensor.to_local().device
+        ):
             continue  # a shard of the same layout (a sharded model's own state_dict()): copied shard to shard
         state_dict[key] = _shard_of(tensor, lambda index, v=value: _whole(v)[index])
 
