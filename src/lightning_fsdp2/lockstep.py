@@ -20,6 +20,7 @@ import functools
 import json
 import threading
 import time
+import zlib
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
@@ -93,6 +94,7 @@ _SAVING = ("lightning_module_state_dict", "optimizer_state", "save_checkpoint")
 # The phases of a training batch (Fabric's forwards included). Any other phase entered between steps (a barrier, a
 # reduce, a validation step, a save) is one that some ranks may skip, or reach late.
 _TRAINING = ("training_step", "backward", "optimizer_step", "forward")
+_TRAILS_KEPT = 1024  # seqs whose trail a rank keeps: a peer further behind is told apart by position alone
 _PHASES = {  # the strategy's methods, as a user knows them
     "lightning_module_state_dict": "saving a checkpoint", "optimizer_state": "saving a checkpoint",
     "save_checkpoint": "saving a checkpoint", "load_checkpoint": "loading a checkpoint",
@@ -122,6 +124,8 @@ class PeerWatch:
         self._counts: dict[str, int] = {}
         self._saving = 0  # phases of a save entered and not left (the collectives of a save run in inner phases)
         self._seq = 0  # phases entered between steps (outermost): in lockstep every rank enters the same ones
+        self._trail = 0  # a checksum of the outermost phases entered, in order: equal on ranks that ran the same ones
+        self._trails: dict[int, int] = {0: 0}  # the trail after each recent seq: compared with a peer's at its seq
         self._outer: str | None = None  # the outermost phase this rank is in (None: between steps)
         self._opened: int | None = None  # training_step calls when the Trainer's optimizer step began the next batch
         self._lost: dict[str, Any] | None = None  # where this rank's first failed collective waited, as published
@@ -155,7 +159,7 @@ class PeerWatch:
         self._store = dist.PrefixStore("lightning_fsdp2/peers/", dist.distributed_c10d._get_default_store())
         self._groups, self._counts, self._armed, self._final, self._phase = groups, {}, False, None, None
         self._lost = self._opened = self._outer = None
-        self._seq, self._lock = 0, threading.Lock()
+        self._seq, self._trail, self._trails, self._lock = 0, 0, {0: 0}, threading.Lock()
         self._publish("setting up")
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._beat, args=(self._stop,), name="lightning_fsdp2-peer-watch",
@@ -198,6 +202,9 @@ class PeerWatch:
         outermost = self._phase is None
         if outermost:
             self._seq, self._outer = self._seq + 1, method
+            self._trail = zlib.crc32(f"{self._trail}:{method}".encode())  # not hash(): it differs between processes
+            self._trails[self._seq] = self._trail
+            self._trails.pop(self._seq - _TRAILS_KEPT, None)
             if method in _TRAINING:  # a later training batch: a PeerLostError that user code caught lies behind it
                 self._lost = None
         opens = begins_batch and outermost
@@ -272,8 +279,12 @@ class PeerWatch:
         def past(t: dict) -> bool:
             return (t["final"] and not t["lost"]) or _position(t) > here
 
+        def other_path(t: dict) -> bool:  # it entered other phases than this rank did, up to where it is
+            then = self._trails.get(t["seq"]) if t["seq"] <= self._seq else None
+            return then is not None and t.get("trail") is not None and t["trail"] != then
+
         elsewhere = [t for t in theirs if past(t) or (_position(t) == here and t["method"] != mine)
-                     or (t["lost"] and _position(t) != here)]
+                     or (t["lost"] and _position(t) != here) or other_path(t)]
         if elsewhere:
             if self._saving and any(past(t) and not t["saving"] for t in elsewhere):
                 return ("Every rank must call trainer.save_checkpoint (and fabric.save): the shards come from all of"
@@ -336,7 +347,7 @@ class PeerWatch:
 
     def _where(self) -> dict[str, Any]:
         """This rank's state as the peers read it (besides its time and whether it is final)."""
-        return {"phase": self._describe(self._phase), "seq": self._seq,
+        return {"phase": self._describe(self._phase), "seq": self._seq, "trail": self._trail,
                 "method": self._outer, "saving": bool(self._saving)}
 
     def _publish(self, state: str | None = None, unless: threading.Event | None = None) -> None:
