@@ -34,8 +34,10 @@ test: $(STAMP)
 demo: $(DEMO_STAMP)
 	$(PY) examples/lora_finetune.py
 
-# Benchmarks (about 75 minutes on 2 CPU cores): results in benchmarks/results/, tables in docs/performance.md.
+# Benchmarks (about 90 minutes on 2 CPU cores): results in benchmarks/results/, tables in docs/performance.md.
 bench: $(STAMP)
+	$(PY) benchmarks/real_model.py --repeats 3
+	$(PY) benchmarks/real_model.py --nf4 --repeats 3
 	$(PY) benchmarks/throughput.py --repeats 3
 	$(PY) benchmarks/throughput.py --scaling --repeats 2
 	$(PY) benchmarks/throughput.py --knobs --repeats 2

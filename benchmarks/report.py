@@ -2,8 +2,8 @@
 
     python benchmarks/report.py      # run by `make bench` after the benchmarks
 
-Reads ``benchmarks/results/*.json`` and ``*.md`` (written by throughput.py (four tables), auto_layout.py (two), load_pretrained.py, save.py
-and memory.py); sections
+Reads ``benchmarks/results/*.json`` and ``*.md`` (written by real_model.py (two tables), throughput.py (four tables),
+auto_layout.py (two), load_pretrained.py, save.py and memory.py); sections
 whose results are missing say so.
 """
 
@@ -16,6 +16,16 @@ ROOT = Path(__file__).resolve().parent.parent
 RESULTS = ROOT / "benchmarks" / "results"
 
 SECTIONS = [
+    ("The real model: SmolLM2-135M-Instruct", "real-model", "LoRA fine-tuning of the demo's model (the real pretrained"
+     " weights, its task's tokens) at world size 2 in `bf16-true`: FSDP2Strategy's default and `device_mesh=\"auto\"`"
+     " against Lightning's DDP and ModelParallelStrategy with hand-written `fully_shard`, each loading the weights its"
+     " own way (start-up: `load_pretrained` against `from_pretrained` on every rank, and against rank 0 reading the"
+     " file and DCP broadcasting it)."),
+    ("The real model on an NF4 base (QLoRA)", "real-model-nf4", "The same with the base's MLP weights in NF4 (the"
+     " attention projections, which NF4 cannot split evenly over 2 processes, stay bf16, as in the demo's `--qlora`):"
+     " FSDP2Strategy quantizing as it loads, against DDP on a base quantized in place by torchao's `to_nf4` in every"
+     " process. ModelParallelStrategy is not run here: an NF4 base under hand-written `fully_shard` needs a"
+     " hand-written quantize-then-distribute load (torchtune's), which is not its documented recipe."),
     ("Training throughput", "throughput", "LoRA fine-tuning at world size 2 against Lightning's ModelParallelStrategy "
      "(hand-written per-layer fully_shard), DDP, FSDP1 and the compute bound."),
     ("Scaling", "scaling", "FSDP2Strategy at world sizes 1, 2 and 4."),

@@ -4,10 +4,11 @@
     python examples/fabric_lora.py --model path/to/llama --accelerator cuda --devices 8 --precision bf16-mixed
     python examples/fabric_lora.py --resume outputs/fabric_lora/checkpoint.pt --max-steps 120   # continue a run
 
-The same fine-tune as ``examples/lora_finetune.py`` (the Trainer version; its data and tiny model are reused), with
-the training loop written out: ``fabric.init_module()`` builds the model on the meta device and ``load_pretrained``
-declares its weights; ``fabric.setup_module`` shards each decoder layer, gives every process only its shard and reads
-only that shard's slice of the weights; the loop accumulates gradients without communication (``no_backward_sync``),
+A LoRA fine-tune of a tiny Llama on standard-library text (``examples/tiny_llama.py``; the Trainer demo,
+``examples/lora_finetune.py``, fine-tunes the real SmolLM2-135M-Instruct), with the training loop written out:
+``fabric.init_module()`` builds the model on the meta device and ``load_pretrained`` declares its weights;
+``fabric.setup_module`` shards each decoder layer, gives every process only its shard and reads only that shard's
+slice of the weights; the loop accumulates gradients without communication (``no_backward_sync``),
 clips by the global norm and steps. ``fabric.save`` writes a checkpoint every ``--checkpoint-every`` steps and at the
 end (one file, readable by a one-device Fabric run; ``--sharded`` for a directory of every rank's shards), and
 ``--resume`` continues from one at any number of processes. At the end every process helps write the adapters
@@ -28,7 +29,8 @@ from pathlib import Path
 
 import lightning as L
 import torch
-from lora_finetune import ChunkDataset, corpus_text, is_decoder_layer, plot_losses, tiny_llama, tokenize
+from lora_finetune import is_decoder_layer, plot_losses
+from tiny_llama import ChunkDataset, corpus_text, tiny_llama, tokenize
 from torch.utils.data import DataLoader
 
 from lightning_fsdp2 import load_pretrained

