@@ -72,7 +72,7 @@ class RealLoRA(L.LightningModule):
         lora = LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS, task_type="CAUSAL_LM")
         if self.how == "load_pretrained":
             from lightning_fsdp2 import load_pretrained
-            from lora_finetune import nf4_misfits
+            from lightning_fsdp2.quantize import nf4_misfits
 
             base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_dir))
             if self.nf4:
@@ -112,11 +112,14 @@ class RealLoRA(L.LightningModule):
 
 
 def _quantize_in_place(model: torch.nn.Module) -> None:
-    """The base's NF4-friendly linear weights replaced by torchao's ``to_nf4`` (the hand-built QLoRA)."""
+    """The same linear weights as FSDP2Strategy's NF4 base replaced by torchao's ``to_nf4`` (the hand-built QLoRA)."""
     from torchao.quantization.quantize_.workflows.nf4.nf4_tensor import to_nf4
 
+    from lightning_fsdp2.quantize import nf4_misfits
+
+    skip = set(nf4_misfits(model, 2))
     for name, module in model.named_modules():
-        if isinstance(module, torch.nn.Linear) and name != "lm_head" and module.weight.numel() % (64 * 256 * 2) == 0:
+        if isinstance(module, torch.nn.Linear) and name != "lm_head" and name.rsplit(".", 1)[-1] not in skip:
             module.weight = torch.nn.Parameter(to_nf4(module.weight.data), requires_grad=False)
 
 
@@ -199,6 +202,7 @@ def measure(names: list[str], model_dir: str, nf4: bool, repeats: int) -> dict[s
             print(f"repeat {repeat}: {name}: {result[0]['tokens_per_s']:.0f} tokens/s, start-up"
                   f" {result[0]['startup_s']:.1f} s", flush=True)
     return {name: {
+        "runs": per_run,  # every repeat, every rank
         "tokens_per_s": statistics.median(r[0]["tokens_per_s"] for r in per_run),
         "peak_mb_per_rank": [statistics.median(r[rank]["peak_mb"] for r in per_run) for rank in range(2)],
         "startup_s": statistics.median(max(r[rank]["startup_s"] for rank in range(2)) for r in per_run),

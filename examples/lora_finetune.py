@@ -45,9 +45,7 @@ from smollm2 import smollm2  # noqa: E402
 
 from lightning_fsdp2 import FSDP2Strategy, load_pretrained  # noqa: E402
 from lightning_fsdp2.lora import AdapterExport, load_adapter, save_merged  # noqa: E402
-
-NF4_BLOCK = 64 * 256  # torchao's NF4: blocks of 64 values, one scale per 256 blocks
-
+from lightning_fsdp2.quantize import is_nf4, nf4_misfits  # noqa: E402
 
 # ------------------------------------------------------------------------------------------------ model
 class LoRAFineTune(L.LightningModule):
@@ -65,6 +63,7 @@ class LoRAFineTune(L.LightningModule):
         self.answers: dict[str, list[str]] = {}  # "before"/"after": the greedy answers to `questions`
         self.val_losses: dict[str, float] = {}
         self.val_loader: DataLoader | None = None  # the held-out split, batched: set by main()
+        self.nf4: list[str] = []  # the linear layers (short names) whose base weights are stored in NF4
 
     def configure_model(self) -> None:
         if self.model is not None:  # Lightning calls this hook again for validate/test/predict: build once
@@ -76,13 +75,8 @@ class LoRAFineTune(L.LightningModule):
         # On the meta device under FSDP2Strategy: no memory yet. The weights are read after sharding.
         base = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(hp.model_dir))
         if hp.qlora:  # QLoRA: the base's linear weights stored in 4-bit NF4 (torchao), quantized as they are read
-            skip = nf4_misfits(base, self.trainer.world_size)
-            load_pretrained(base, hp.model_dir, quantize="nf4", skip=skip)
-            if self.trainer.is_global_zero:
-                linear = {n.rsplit(".", 1)[-1] for n, m in base.named_modules() if isinstance(m, torch.nn.Linear)}
-                print(f"QLoRA: in NF4: {', '.join(sorted(linear - set(skip) - {'lm_head'}))}; left in"
-                      f" {self.trainer.precision}: {', '.join(skip) or 'none'} (NF4 cannot split them evenly over"
-                      f" {self.trainer.world_size} processes)", flush=True)
+            # Linear layers whose weights NF4 cannot split evenly over the processes stay in the training dtype.
+            load_pretrained(base, hp.model_dir, quantize="nf4", skip=nf4_misfits(base, self.trainer.world_size))
         else:
             load_pretrained(base, hp.model_dir)
         if hp.adapter:
@@ -99,6 +93,12 @@ class LoRAFineTune(L.LightningModule):
     def on_train_start(self) -> None:
         # Inside `fit` so that it works under every launcher (with start_method="spawn" each Trainer call gets fresh
         # worker processes). Every process runs it: the forwards of a sharded model gather each layer's shards.
+        self.nf4 = sorted({layer_name(n) for n, p in self.model.named_parameters() if is_nf4(p)})
+        if self.hparams.qlora and self.trainer.is_global_zero:
+            skipped = nf4_misfits(self.model, self.trainer.world_size)
+            print(f"QLoRA: in NF4: {', '.join(self.nf4) or 'nothing'}; left in {self.trainer.precision}:"
+                  f" {', '.join(skipped) or 'nothing'} (NF4 cannot split them evenly over"
+                  f" {self.trainer.world_size} processes)", flush=True)
         self.val_losses["before"] = self.evaluate()
         self.answers["before"] = self.answer()
         self._t = time.perf_counter()
@@ -107,7 +107,7 @@ class LoRAFineTune(L.LightningModule):
         """The mean loss over the whole validation split, averaged over the processes."""
         was_training = self.model.training
         self.model.eval()
-        with torch.no_grad():
+        with torch.no_grad(), self.trainer.precision_plugin.forward_context():  # as the training steps compute
             losses = [self.model(**self._to_device(b)).loss for b in self.val_loader]
         self.model.train(was_training)
         return float(self.trainer.strategy.reduce(torch.stack(losses).mean()))
@@ -120,9 +120,12 @@ class LoRAFineTune(L.LightningModule):
         batch = self._to_device(left_padded(tokenizer, list(self.hparams.questions)))
         was_training = self.model.training
         self.model.eval()
-        with torch.no_grad():
+        # synced_gpus: a process whose answers all ended goes on joining the others' forwards (each gathers the
+        # layers' shards from every process) until theirs end too.
+        with torch.no_grad(), self.trainer.precision_plugin.forward_context():
             out = self.model.generate(**batch, max_new_tokens=self.hparams.max_new_tokens, do_sample=False,
-                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id)
+                                      pad_token_id=tokenizer.pad_token_id, eos_token_id=tokenizer.eos_token_id,
+                                      synced_gpus=self.trainer.world_size > 1)
         self.model.train(was_training)
         new = out[:, batch["input_ids"].shape[1]:]
         return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in new]
@@ -133,6 +136,8 @@ class LoRAFineTune(L.LightningModule):
             from transformers import AutoTokenizer
 
             self._tokenizer = AutoTokenizer.from_pretrained(self.hparams.model_dir)
+            if self._tokenizer.pad_token_id is None:  # Llama 3's, Mistral's: padding with the end token is enough
+                self._tokenizer.pad_token = self._tokenizer.eos_token
         return self._tokenizer
 
     def _to_device(self, batch: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -165,7 +170,7 @@ class LoRAFineTune(L.LightningModule):
             plot_losses(self.curve, self.val_losses["before"], self.val_losses["after"], out / "loss.png")
             (out / "answers.json").write_text(json.dumps(
                 {"questions": list(self.hparams.questions), "expected": list(self.hparams.expected), **self.answers,
-                 "val_loss": self.val_losses}, indent=1))
+                 "val_loss": self.val_losses, "nf4": self.nf4}, indent=1))
             write_report(self, out / "report.md")
             print(f"\nvalidation loss: {self.val_losses['before']:.4f} before, {self.val_losses['after']:.4f} after"
                   f" {self.trainer.global_step} steps (held-out modules: {', '.join(HELD_OUT)})")
@@ -179,13 +184,11 @@ class LoRAFineTune(L.LightningModule):
             print(f"report:       {out / 'report.md'}")
 
 
-def nf4_misfits(model: torch.nn.Module, world_size: int) -> list[str]:
-    """The linear layers (by name ending: ``q_proj``) whose weights NF4 cannot split evenly over ``world_size``
-    processes: left in the training dtype (``load_pretrained(skip=...)``). SmolLM2's attention projections (576 x 576
-    and 192 x 576) are such; its MLP's (1536 x 576), three quarters of each layer, are quantized."""
-    misfits = {name.rsplit(".", 1)[-1] for name, m in model.named_modules() if isinstance(m, torch.nn.Linear)
-               and (m.weight.numel() % (NF4_BLOCK * world_size) or m.weight.shape[0] % world_size)}
-    return sorted(misfits)
+def layer_name(parameter: str) -> str:
+    """The short name of the layer a parameter belongs to (``gate_proj`` for ``...mlp.gate_proj.weight``; peft's
+    ``base_layer`` named by the layer it adapts)."""
+    parts = [p for p in parameter.split(".")[:-1] if p != "base_layer"]
+    return parts[-1]
 
 
 def plot_losses(curve: list[tuple[int, float]], before: float, after: float, path: Path) -> None:
@@ -210,14 +213,15 @@ def plot_losses(curve: list[tuple[int, float]], before: float, after: float, pat
 def write_report(module: LoRAFineTune, path: Path) -> None:
     """A short markdown report: the run, the validation loss, and the answers before and after."""
     hp, trainer = module.hparams, module.trainer
-    tokens_per_s = [v for k, v in trainer.callback_metrics.items() if k == "tokens/s"]
+    tokens_per_s = trainer.callback_metrics.get("tokens/s")
+    nf4 = f", base in NF4: {', '.join(module.nf4)}" if module.nf4 else ""
     lines = [
         f"# LoRA fine-tune of `{Path(hp.model_dir).name}`",
         "",
         f"{trainer.world_size} processes ({trainer.strategy.root_device.type}), `FSDP2Strategy`,"
-        f" precision `{trainer.precision}`{', NF4 base (QLoRA)' if hp.qlora else ''}; LoRA r={hp.rank} on"
+        f" precision `{trainer.precision}`{nf4}; LoRA r={hp.rank} on"
         f" {', '.join(hp.targets)}; {trainer.global_step} steps at lr {hp.lr:g}"
-        + (f"; last tokens/s {float(tokens_per_s[0]):.0f}" if tokens_per_s else "") + ".",
+        + (f"; last tokens/s {float(tokens_per_s):.0f}" if tokens_per_s is not None else "") + ".",
         "",
         f"Validation loss (held-out modules: {', '.join(HELD_OUT)}): **{module.val_losses['before']:.4f}** before,"
         f" **{module.val_losses['after']:.4f}** after.",

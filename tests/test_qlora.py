@@ -477,6 +477,10 @@ def test_qlora_shape_error_names_the_way_out_that_works(adapted: bool) -> None:
     kept = nf4_targets(model, names, skip)
     assert len(kept) == 8 and not any("mlp" in n for n in kept)
     check_nf4_targets(model, kept, shapes, world_size=2)  # what the suggested skip leaves: no error
+    # nf4_misfits gives that skip before anything is loaded (peft's base_layer named by its layer), none at 1 rank.
+    from lightning_fsdp2.quantize import nf4_misfits
+
+    assert nf4_misfits(model, 2) == skip and nf4_misfits(model, 1) == []
 
 
 def test_the_smallest_shape_that_fits_fits() -> None:

@@ -175,7 +175,7 @@ def test_the_demos_exports_give_its_fine_tuned_answers_without_this_package(smol
     questions = record["questions"]
     assert questions[0] == "In Python's `textwrap` module, what does `dedent` do?" and len(questions) == 2
     assert record["val_loss"]["after"] < record["val_loss"]["before"]
-    assert record["after"] != record["before"]
+    assert record["after"] != record["before"] and record["nf4"] == []
     assert record["expected"][0] == inspect.cleandoc(textwrap.dedent.__doc__).splitlines()[0]
     assert (f"{questions[0]}\n  docstring: {record['expected'][0]}\n  before:    {record['before'][0]}\n"
             f"  after:     {record['after'][0]}") in proc.stdout

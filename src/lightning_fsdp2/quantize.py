@@ -84,6 +84,26 @@ def nf4_targets(module: nn.Module, candidates: Sequence[str], skip: Sequence[str
     return [n for n in candidates if n in linear and n not in adapters and not skipped(linear[n])]
 
 
+def nf4_misfits(module: nn.Module, shard_size: int) -> list[str]:
+    """The short names (``"q_proj"``) of the linear layers whose weights NF4 cannot split evenly over ``shard_size``
+    ranks (their elements a multiple of 16,384 x ``shard_size``, their rows of ``shard_size``), among those
+    ``quantize="nf4"`` would quantize: ``load_pretrained(model, source, quantize="nf4", skip=nf4_misfits(model,
+    world_size))`` quantizes the rest. A weight that fits over N ranks fits over any divisor of N (replicas, HSDP's
+    smaller shard groups), so the world size is the safe ``shard_size`` before the layout is known. Works on a model
+    on ``meta``."""
+    weights = {f"{name}.weight" if name else "weight": name for name, sub in module.named_modules()
+               if isinstance(sub, nn.Linear)}
+    params = dict(module.named_parameters())
+    misfits = set()
+    for weight in nf4_targets(module, list(weights), ()):
+        if not _fits_nf4(tuple(params[weight].shape), shard_size):
+            parts = weights[weight].split(".")
+            while len(parts) > 1 and parts[-1] == "base_layer":  # peft's: named by the layer it adapts
+                parts.pop()
+            misfits.add(parts[-1])
+    return sorted(misfits)
+
+
 def _output_heads(module: nn.Module) -> list[nn.Module]:
     heads = []
     for sub in module.modules():

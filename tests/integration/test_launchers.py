@@ -100,9 +100,11 @@ def test_example_with_qlora(smollm2_two_layers: Path, tmp_path: Path) -> None:
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
-    assert "NF4 base (QLoRA)" in (tmp_path / "report.md").read_text()
+    record = json.loads((tmp_path / "answers.json").read_text())
+    assert record["nf4"] == ["down_proj", "gate_proj", "up_proj"]  # read from the parameters' storage
+    assert "base in NF4: down_proj, gate_proj, up_proj" in (tmp_path / "report.md").read_text()
     assert "QLoRA: in NF4: down_proj, gate_proj, up_proj; left in bf16-true: k_proj, o_proj, q_proj, v_proj" in proc.stdout
-    val_loss = json.loads((tmp_path / "answers.json").read_text())["val_loss"]
+    val_loss = record["val_loss"]
     assert val_loss["after"] < val_loss["before"]
     import torch
     from transformers import AutoModelForCausalLM
