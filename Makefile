@@ -3,7 +3,8 @@
 # `make demo` alone installs no torchao (the qlora extra): transformers imports torchao whenever it is installed, and
 # torchao's PyPI wheels print load failures of their CUDA kernels beside a CPU build of torch, so a first run that
 # needs no quantization stays quiet. `make test` adds the test and qlora extras, and LitGPT for the test that runs its
-# own recipe (tests/integration/test_litgpt.py): without its dependencies (`--no-deps`), since its pin of
+# own recipe (tests/integration/test_litgpt.py), and Ray Train for its Lightning recipe (tests/integration/test_ray.py):
+# LitGPT without its dependencies (`--no-deps`), since its pin of
 # huggingface_hub (< 1.4) excludes the one transformers 5 needs; what its recipe imports is the `litgpt` extra.
 PYTHON ?= python3
 VENV := .venv
@@ -19,7 +20,7 @@ $(PY):
 
 $(STAMP): $(PY) pyproject.toml constraints.txt
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,demo,qlora,litgpt]"
+	$(PY) -m pip install --quiet -c constraints.txt -e ".[test,demo,qlora,litgpt,ray]"
 	$(PY) -m pip install --quiet --no-deps -c constraints.txt litgpt
 	touch $(STAMP) $(DEMO_STAMP)
 

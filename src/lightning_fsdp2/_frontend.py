@@ -71,6 +71,8 @@ class FrontEndCore:
         self._deferred = DeferredLoads()  # load_pretrained calls made while the model is built, run after sharding
         # Each rank's phase, for a peer left waiting; the process group's own timeout comes back at each start.
         self._peer_watch = PeerWatch(options.peer_watch.timeout, options.process_group.timeout)
+        # Processes per node, where the cluster environment reports the launch itself (Ray Train): taken at its word.
+        self._reported_per_node: int | None = None
 
     @property
     def _sharded(self) -> bool:
@@ -113,13 +115,18 @@ class FrontEndCore:
 
     @property
     def root_device(self) -> torch.device:
-        """This process's device."""
+        """This process's device: its own among the node's devices, or the one device it sees (a Ray Train worker,
+        ``devices="auto"``: each sees only its own)."""
         assert self.parallel_devices is not None
+        if self._reported_per_node is not None and len(self.parallel_devices) == 1:
+            return self.parallel_devices[0]
         return self.parallel_devices[self.local_rank]  # type: ignore[attr-defined]
 
     @property
     def num_processes(self) -> int:
         """Processes on this node."""
+        if self._reported_per_node is not None:
+            return self._reported_per_node
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
@@ -127,7 +134,8 @@ class FrontEndCore:
         """Each data-parallel rank reads a different part of the data; the ranks of a tensor-parallel group (which
         differ only on the ``"tensor"`` dimension) read the same."""
         if self._layout is None:  # asked before the processes started: every process is data-parallel
-            return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}  # type: ignore[attr-defined]
+            world = self.world_size if self._reported_per_node is not None else self.num_nodes * self.num_processes  # type: ignore[attr-defined]
+            return {"num_replicas": world, "rank": self.global_rank}  # type: ignore[attr-defined]
         return {"num_replicas": self._layout.data_parallel_size,
                 "rank": self._layout.data_parallel_rank(self.global_rank)}  # type: ignore[attr-defined]
 
@@ -138,7 +146,7 @@ class FrontEndCore:
 
     def set_world_ranks(self) -> None:
         """Tell the cluster environment and ``rank_zero_only`` this process's global rank."""
-        if self.cluster_environment is not None:
+        if self.cluster_environment is not None and self._reported_per_node is None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)  # type: ignore[attr-defined]
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank = self.global_rank  # type: ignore[attr-defined]
@@ -148,13 +156,17 @@ class FrontEndCore:
         """Check the launch, resolve and check the layout and the options that depend on it, start the process group
         and build the mesh; every rank, before any model work. The front-end's own ``setup_environment`` (the
         accelerator's device set-up) runs in between, as ``super()``."""
-        validate_external_launch(
-            self.cluster_environment,
-            num_processes=self.num_processes,
-            num_nodes=self.num_nodes,
-            local_rank=self.local_rank,  # type: ignore[attr-defined]
-            node_rank=self.node_rank,  # type: ignore[attr-defined]
-        )
+        assert self.parallel_devices is not None
+        self._reported_per_node = reported_launch(self.cluster_environment, num_processes=len(self.parallel_devices),
+                                                  num_nodes=self.num_nodes)
+        if self._reported_per_node is None:
+            validate_external_launch(
+                self.cluster_environment,
+                num_processes=self.num_processes,
+                num_nodes=self.num_nodes,
+                local_rank=self.local_rank,  # type: ignore[attr-defined]
+                node_rank=self.node_rank,  # type: ignore[attr-defined]
+            )
         super().setup_environment()  # type: ignore[misc]
         reset_seed()
         self.set_world_ranks()
@@ -351,6 +363,40 @@ def _launch_fix(num_processes: int, num_nodes: int, torchrun: bool) -> str:
     return (f"Set `devices` (now {num_processes}) to the processes per node and `num_nodes` (now {num_nodes}) to the"
             " nodes the launcher started (torchrun's --nproc-per-node and --nnodes; SLURM's --ntasks-per-node and"
             " --nodes).")
+
+
+def reported_launch(env: Any, *, num_processes: int, num_nodes: int) -> int | None:
+    """The processes per node, where a cluster environment that starts the processes itself reports the world size
+    and the ranks on its own (Ray Train's ``RayLightningEnvironment``: it ignores ``set_world_size`` and answers from
+    Ray's context); ``None`` where the launch is Lightning's, or the environment takes ``devices * num_nodes`` from
+    the strategy (Lightning's own, torchrun's and SLURM's check that against what they started).
+
+    Such an environment is taken at its word, with ``devices="auto"`` (each worker sees one device: ``devices=1``)
+    or the devices per node it started; other ``devices``/``num_nodes`` are refused, saying what to set."""
+    if env is None or not env.creates_processes_externally:
+        return None
+    try:
+        env.validate_settings(num_devices=num_processes, num_nodes=num_nodes)
+    except ValueError:
+        return None  # torchrun's and SLURM's own check failed: validate_external_launch says what to set
+    expected = num_processes * num_nodes
+    env.set_world_size(expected)
+    world = env.world_size()
+    if world == expected:
+        return None  # it holds what the strategy says (Lightning's), or it checked it (torchrun's, SLURM's)
+    per_node = int(os.environ.get("LOCAL_WORLD_SIZE", 0)) or world // max(num_nodes, 1)
+    nodes = world // per_node if per_node and world % per_node == 0 else None
+    fits_devices = num_processes in (1, per_node)
+    fits_nodes = num_nodes in (1, nodes)
+    if not (fits_devices and fits_nodes):
+        where = f"{nodes} node(s) x {per_node}" if nodes else f"{world}"
+        raise ValueError(
+            f"{type(env).__name__} started {world} processes ({where} per node), but `devices={num_processes}` and"
+            f" `num_nodes={num_nodes}` in Lightning. Set `devices=\"auto\"` (each process uses the device it was"
+            f" given) and leave `num_nodes` at 1, or set `devices={per_node}`"
+            + (f" and `num_nodes={nodes}`." if nodes else ".")
+        )
+    return per_node
 
 
 def validate_external_launch(env: Any, *, num_processes: int, num_nodes: int, local_rank: int, node_rank: int) -> None:
