@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import importlib
 import inspect
+import json
 import re
+import subprocess
+import sys
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
-
-import torch
 
 # Pure-Python and built-in modules with documented functions, importable on every platform Python runs on.
 MODULES = (
@@ -31,7 +33,7 @@ MODULES = (
     "random", "re", "secrets", "shlex", "shutil", "statistics", "struct", "subprocess", "sysconfig", "tarfile",
     "tempfile", "textwrap", "threading", "timeit", "tokenize", "traceback", "types", "typing", "unicodedata",
     "urllib.parse", "urllib.request", "uuid", "weakref", "webbrowser", "xml.etree.ElementTree", "zlib",
-)  # not `warnings`: Lightning replaces its formatwarning on import, and the examples must not depend on what is imported
+)
 HELD_OUT = ("fnmatch", "glob", "heapq", "secrets", "shutil", "statistics", "textwrap", "uuid")  # validation only
 
 
@@ -73,10 +75,18 @@ def module_examples(name: str) -> list[Example]:
 
 
 def split(modules: tuple[str, ...] = MODULES, held_out: tuple[str, ...] = HELD_OUT) -> tuple[list[Example], list[Example]]:
-    """``(train, validation)``: validation is every example of the ``held_out`` modules, training all the others."""
-    train = [e for m in modules if m not in held_out for e in module_examples(m)]
-    val = [e for m in modules if m in held_out for e in module_examples(m)]
-    return train, val
+    """``(train, validation)``: validation is every example of the ``held_out`` modules, training all the others.
+
+    Read in a fresh interpreter that imports nothing but the standard library (``python -I``): libraries patch it
+    on import (Lightning replaces ``warnings.formatwarning``, Ray ``inspect.isgenerator``), and every process of a
+    run, whatever it imported, must build the same examples."""
+    here = str(Path(__file__).resolve().parent)
+    code = (f"import json, sys; sys.path.insert(0, {here!r}); import docstring_task as t; print(json.dumps("
+            f"[[e.module, e.function, e.answer] for m in {list(modules)!r} for e in t.module_examples(m)]))")
+    found = json.loads(subprocess.run([sys.executable, "-I", "-c", code], capture_output=True, text=True,
+                                      check=True).stdout)
+    examples = [Example(*row) for row in found]
+    return [e for e in examples if e.module not in held_out], [e for e in examples if e.module in held_out]
 
 
 # ------------------------------------------------------------------------------------------------ tokens
@@ -106,7 +116,9 @@ class Collate:
     def __init__(self, pad_id: int) -> None:
         self.pad_id = pad_id
 
-    def __call__(self, pairs: list[tuple[list[int], list[int]]]) -> dict[str, torch.Tensor]:
+    def __call__(self, pairs: list[tuple[list[int], list[int]]]) -> dict[str, Any]:
+        import torch  # here, so that split()'s fresh interpreter imports only the standard library
+
         width = max(len(ids) for ids, _ in pairs)
         ids = torch.full((len(pairs), width), self.pad_id, dtype=torch.long)
         labels = torch.full((len(pairs), width), -100, dtype=torch.long)
@@ -116,8 +128,10 @@ class Collate:
         return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def left_padded(tokenizer: Any, questions: list[str]) -> dict[str, torch.Tensor]:
+def left_padded(tokenizer: Any, questions: list[str]) -> dict[str, Any]:
     """The prompts of ``questions`` as one batch padded on the left, as ``generate()`` takes them."""
+    import torch
+
     prompts = [prompt_ids(tokenizer, q) for q in questions]
     width = max(len(p) for p in prompts)
     ids = torch.full((len(prompts), width), tokenizer.pad_token_id, dtype=torch.long)

@@ -31,8 +31,11 @@ QUESTION = "What is the capital of France?"
 
 
 # ------------------------------------------------------------------------------------------------ the task
-def test_the_task_is_deterministic_and_holds_out_whole_modules() -> None:
+def test_the_task_is_deterministic_and_holds_out_whole_modules(monkeypatch: pytest.MonkeyPatch) -> None:
     train, val = docstring_task.split()
+    # A library that patches the standard library on import (Ray replaces inspect.isgenerator) changes nothing.
+    monkeypatch.setattr(inspect, "isgenerator", lambda obj: False)
+    assert docstring_task.split() == (train, val)
     # The same examples in another process with another hash seed (set and dict orders change with it).
     code = ("import json, sys; sys.path.insert(0, 'examples'); import docstring_task as t;"
             " print(json.dumps([[(e.module, e.function, e.answer) for e in part] for part in t.split()]))")
