@@ -47,6 +47,7 @@ from torch.utils.data import DataLoader  # noqa: E402
 from docstring_task import encode, split  # noqa: E402
 from load_pretrained import _status_kb  # noqa: E402
 from smollm2 import smollm2  # noqa: E402
+from throughput import LoRALlama  # noqa: E402
 
 from tests.helpers import run_distributed  # noqa: E402
 
@@ -54,14 +55,12 @@ SEQ, BATCH, WARMUP, TIMED = 128, 2, 2, 6
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
-class RealLoRA(L.LightningModule):
+class RealLoRA(LoRALlama):
     """The same module for every contender; ``how`` says how the weights come in (and the sharding, for the peer)."""
 
     def __init__(self, model_dir: str, how: str, nf4: bool) -> None:
-        super().__init__()
+        super().__init__()  # the synthetic benchmark's step, optimizer and step timing
         self.model_dir, self.how, self.nf4 = model_dir, how, nf4
-        self.model = None
-        self.times: list[float] = []
 
     def configure_model(self) -> None:
         if self.model is not None:
@@ -88,18 +87,6 @@ class RealLoRA(L.LightningModule):
         else:  # "by_hand": ModelParallelStrategy's documented way, weights as torchtune loads them
             self.model = _shard_and_load_by_hand(self, get_peft_model(
                 AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(self.model_dir)), lora))
-
-    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
-        return self.model(input_ids=batch, labels=batch).loss
-
-    def on_train_start(self) -> None:
-        self.times.append(time.perf_counter())
-
-    def on_train_batch_end(self, *args) -> None:
-        self.times.append(time.perf_counter())
-
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-4)
 
     def train_dataloader(self) -> DataLoader:
         # The demo's training examples, packed into windows of SEQ tokens; enough for every process's steps.
