@@ -432,3 +432,50 @@ def test_a_rank0_failure_while_streaming_is_raised_everywhere_without_a_hang(tmp
     assert results[1]["message"].startswith("CheckpointFileError: Rank 0 failed to write the checkpoint")
     assert all(r["unchanged"] for r in results)
     assert list(tmp_path.iterdir()) == []
+
+
+# =========================================================================== a directory per rank
+def _save_per_rank(pretrained: str, base: str, async_save: bool) -> None:
+    """During the epoch (in the background with ``async_save``), save once to one path and once to a path of each
+    rank's own, as Ray Train's report callback does; both at the same step."""
+    import lightning as L
+
+    from lightning_fsdp2 import FSDP2Strategy
+    from tests.models import ResumeModule, quiet_trainer_kwargs
+
+    class SaveTwice(L.Callback):
+        def on_train_epoch_end(self, trainer, pl_module) -> None:
+            trainer.save_checkpoint(f"{base}/one.ckpt")
+            trainer.save_checkpoint(f"{base}/rank{trainer.global_rank}/own.ckpt")
+
+    trainer = L.Trainer(
+        accelerator="cpu", devices=2, strategy=FSDP2Strategy(state_dict_type="sharded", async_save=async_save),
+        max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[SaveTwice()], **quiet_trainer_kwargs(),
+    )
+    trainer.fit(ResumeModule(pretrained))
+
+
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_sharded_save_to_a_path_per_rank_writes_each_ranks_shards_there(
+    async_save: bool, pretrained: Path, tmp_path: Path
+) -> None:
+    """Each rank writes its own shards where it was told (rank 0 the index and meta.pt too); merged, the directories
+    are the checkpoint one path gets. A rank's directory alone is named incomplete, not read as if whole."""
+    import shutil
+
+    run_distributed(_save_per_rank, 2, str(pretrained), str(tmp_path), async_save)
+    own = [tmp_path / f"rank{r}" / "own.ckpt" for r in range(2)]
+    names = [sorted(p.name for p in d.iterdir()) for d in own]
+    assert {".metadata", "meta.pt"} < set(names[0])
+    assert all(n.startswith("__0_") for n in set(names[0]) - {".metadata", "meta.pt"})
+    assert names[1] and all(n.startswith("__1_") for n in names[1]), names[1]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["one.ckpt", "rank0", "rank1"]  # no temporary left
+    with pytest.raises(CheckpointFileError, match="__1_0.distcp"):
+        read_full_checkpoint(own[0])
+    for file in own[1].iterdir():  # what Ray Train does with the directories its workers report
+        shutil.copy(file, own[0] / file.name)
+    merged, one = read_full_checkpoint(own[0]), read_full_checkpoint(tmp_path / "one.ckpt")
+    assert merged["global_step"] == one["global_step"] > 0
+    assert merged["state_dict"].keys() == one["state_dict"].keys()
+    for key, value in one["state_dict"].items():
+        assert torch.equal(merged["state_dict"][key], value), key

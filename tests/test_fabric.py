@@ -83,7 +83,9 @@ def _reference(base: str, adapter: str, steps: int, accumulate: int = 1, clip: f
 
 
 def _sharded(base: str, adapter: str, steps: int, accumulate: int = 1, clip: float | None = None,
-             joint: bool = False, strategy: dict | None = None) -> dict:
+             joint: bool = False, strategy: dict | None = None, fabric: dict | None = None) -> dict:
+    """FSDP2 at this process's world size; ``fabric``: Fabric's arguments instead of the defaults (a launcher's
+    cluster environment, ``devices="auto"``)."""
     from peft import get_peft_model
     from transformers import LlamaForCausalLM
 
@@ -91,7 +93,8 @@ def _sharded(base: str, adapter: str, steps: int, accumulate: int = 1, clip: flo
     from lightning_fsdp2.fabric import FSDP2Strategy
     from lightning_fsdp2.lora import load_adapter
 
-    fabric = L.Fabric(accelerator="cpu", devices=world(), strategy=FSDP2Strategy(**(strategy or {})))
+    fabric = L.Fabric(**{"accelerator": "cpu", "devices": world(), "strategy": FSDP2Strategy(**(strategy or {})),
+                         **(fabric or {})})
     fabric.launch()
     with fabric.init_module():
         model = LlamaForCausalLM(tiny_llama_config())

@@ -400,7 +400,8 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
     ) -> None:
         """Write ``checkpoint`` atomically: one file streamed by rank 0 (``"full"``) or a directory from all ranks
         (``"sharded"``, in the background with ``async_save``). Every rank must call it (``trainer.save_checkpoint``
-        does): the shards come from all of them."""
+        does): the shards come from all of them, each rank's written to the ``filepath`` it passes (the same path
+        everywhere is one directory; a path per rank, as Ray Train's report callback gives, one directory each)."""
         assert self.model is not None
         self.wait_for_checkpoint()  # one save at a time: the previous one is complete (and in place) first
         trainable_only = self._trainable_only(self._parallelized)
@@ -409,9 +410,12 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
             for key in ("state_dict", *sharded_entries(checkpoint)):
                 if isinstance(checkpoint.get(key), Mapping):
                     checkpoint[key] = {k: v for k, v in checkpoint[key].items() if k not in frozen}
+        # The full format is written by rank 0, to its path. A sharded save writes each rank's shards where that
+        # rank was told: one directory, or one per rank to be merged (Ray Train's report callback).
+        target = str(filepath) if self._sharded else self.broadcast(str(filepath))
         ckpt.save(
             checkpoint,
-            self.broadcast(str(filepath)),  # every rank writes to rank 0's path
+            target,
             sharded=self._sharded,
             trainable_only=trainable_only,
             world_size=self.world_size,

@@ -55,8 +55,9 @@ class BackgroundWriter:
         self._done: Future | None = None  # this rank's part done (on rank 0: written and swapped into place)
         self._forgotten: Future | None = None
 
-    def start(self, tensors: dict[str, Any], writer: Any, tmp: Path, path: Path) -> None:
-        """Stage ``tensors`` and start writing them into ``tmp``, to be swapped to ``path``; call on every rank."""
+    def start(self, tensors: dict[str, Any], writer: Any, tmp: Path, path: Path, *, owner: bool | None = None) -> None:
+        """Stage ``tensors`` and start writing them into ``tmp``, to be swapped to ``path``; call on every rank.
+        ``owner``: this rank made ``tmp`` and swaps it in (rank 0, or each rank where each writes its own path)."""
         import torch.distributed.checkpoint as dcp
 
         self.wait()
@@ -68,20 +69,21 @@ class BackgroundWriter:
             staged = self.stager.stage(tensors)
         except BaseException as err:  # noqa: BLE001 - e.g. out of memory for the staging buffers on one rank
             error = write_error(err, tmp, what=str(path))
+        owner = is_rank0() if owner is None else owner
         try:
             raise_together(_agree(error, self.group), f"stage the sharded checkpoint {path}")
         except BaseException:
-            if is_rank0():
+            if owner:
                 delete(tmp)
             raise
         written = dcp.async_save(staged, storage_writer=writer, process_group=self.group, async_stager=_Staged())
         self.path, self._tmp = path, tmp
-        if not is_rank0():
+        if not owner:
             self._done = written
             return
         done: Future = Future()
 
-        def finish(result: Future) -> None:  # in DCP's writer thread, once the shards and the index are written
+        def finish(result: Future) -> None:  # in DCP's writer thread, once the shards (and the index) are written
             error: BaseException | None = None
             try:
                 result.result()

@@ -394,6 +394,16 @@ def on_rank0(fn: Callable[[], None], what: str) -> None:
     broadcast_outcome(error, what)
 
 
+def on_every_rank(fn: Callable[[], None], what: str) -> None:
+    """Run ``fn`` on every rank; if it failed on any, all raise (see :func:`raise_together`). Call on every rank."""
+    error: BaseException | None = None
+    try:
+        fn()
+    except BaseException as err:  # noqa: BLE001 - re-raised below, after telling the other ranks
+        error = err
+    raise_together(error, what)
+
+
 def broadcast_outcome(error: BaseException | None, what: str) -> None:
     """Tell every rank rank 0's outcome (``error`` is rank 0's, ignored elsewhere); raise on all ranks if it failed."""
     rank0 = not dist.is_initialized() or dist.get_rank() == 0
@@ -410,12 +420,26 @@ def broadcast_outcome(error: BaseException | None, what: str) -> None:
 
 
 def raise_together(error: BaseException | None, what: str) -> None:
-    """Every rank passes its own outcome of a step all ranks took part in; if any failed, all raise, rank 0's
-    message where rank 0 failed (the same text everywhere), else the rank's own. Call on every rank."""
-    rank0 = not dist.is_initialized() or dist.get_rank() == 0
-    broadcast_outcome(error if rank0 else None, what)
+    """Every rank passes its own outcome of a step all ranks took part in; if any failed, all raise: rank 0's message
+    where rank 0 failed (the same text everywhere), else the rank's own, or the lowest failing rank's (a
+    :class:`CheckpointFileError` word for word). Call on every rank."""
+    if not dist.is_initialized():
+        if error is not None:
+            raise error
+        return
+    rank = dist.get_rank()
+    message = None if error is None else (
+        str(error) if isinstance(error, CheckpointFileError)
+        else f"Rank {rank} failed to {what}: {type(error).__name__}: {error}")
+    outcomes: list[str | None] = [None] * dist.get_world_size()
+    dist.all_gather_object(outcomes, message)
+    if outcomes[0] is not None and rank != 0:
+        raise CheckpointFileError(outcomes[0])
     if error is not None:
         raise error
+    failed = [m for m in outcomes if m is not None]
+    if failed:
+        raise CheckpointFileError(failed[0])
 
 
 def is_sharded_checkpoint(path: str | os.PathLike) -> bool:

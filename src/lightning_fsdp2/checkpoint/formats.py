@@ -30,6 +30,7 @@ from lightning_fsdp2.checkpoint.files import (
     delete,
     is_local,
     load_torch_file,
+    on_every_rank,
     on_rank0,
     raise_together,
     temporary_path,
@@ -148,6 +149,12 @@ def save_sharded(checkpoint: Mapping[str, Any], path: Path, *, background: Backg
     rank 0. All of it is written into a temporary directory that replaces ``path`` only once complete; a failure on
     any rank removes it and raises on every rank.
 
+    Each rank writes to the ``path`` it was given. The same path on every rank (``trainer.save_checkpoint``,
+    ``ModelCheckpoint``) is one directory. A path of its own on each rank (Ray Train's ``RayTrainReportCallback``
+    gives every worker a temporary directory and merges what the workers report into one checkpoint; a node's local
+    disk) holds that rank's shards, rank 0's also the index and ``meta.pt``: together they are the checkpoint, and a
+    load of one alone names the shards it lacks.
+
     With ``background`` (a :class:`BackgroundWriter`), the shards are copied to CPU memory now and written by a
     background thread; this returns at once, and ``background.wait()`` (on every rank) completes the save.
     """
@@ -160,38 +167,45 @@ def save_sharded(checkpoint: Mapping[str, Any], path: Path, *, background: Backg
     meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states", *entries)}
     if entries:  # where they went: read back with `load_entry`
         meta[FORMAT_KEY] = {**meta.get(FORMAT_KEY, {}), "entries": entries}
+    paths: list[str] = [""] * dist.get_world_size()
+    dist.all_gather_object(paths, str(path))
+    apart = len(set(paths)) > 1  # each rank its own directory: it checks, makes and swaps in its own
+    owner = apart or is_rank0()
     token = [uuid.uuid4().hex[:8]]
-    dist.broadcast_object_list(token, src=0)  # every rank must write into the same temporary directory
+    dist.broadcast_object_list(token, src=0)  # the same temporary name everywhere
     tmp = temporary_path(path, token[0])
 
     def prepare() -> None:  # before any rank writes a byte: refuse a target that is not ours
+        if not owner:
+            return
         check_replaceable(path)
         tmp.mkdir(parents=True)
-        with writing(tmp / META_FILENAME, what=str(path)), open(tmp / META_FILENAME, "wb") as f:
-            torch.save(meta, f)
-            f.flush()
-            os.fsync(f.fileno())
+        if is_rank0():
+            with writing(tmp / META_FILENAME, what=str(path)), open(tmp / META_FILENAME, "wb") as f:
+                torch.save(meta, f)
+                f.flush()
+                os.fsync(f.fileno())
 
     try:
-        on_rank0(prepare, f"start the sharded checkpoint {path}")
+        on_every_rank(prepare, f"start the sharded checkpoint {path}")
     except BaseException:
-        if is_rank0():
+        if owner:
             delete(tmp)
         raise
     # Each shard a torch.save archive, torch's CRC-32s in it; the index (a raw pickle) gets one appended.
     writer = integrity.IndexChecksumWriter(tmp, overwrite=True)
     if background is not None:
-        background.start(tensors, writer, tmp, path)
+        background.start(tensors, writer, tmp, path, owner=owner)
         return
     error: BaseException | None = None
     try:
         dcp.save(tensors, storage_writer=writer)  # collective; DCP raises on every rank if any rank fails
     except BaseException as err:  # noqa: BLE001 - raised below on every rank, with rank 0's message
         error = write_error(err, tmp, what=str(path))
-        if is_rank0():
+        if owner:
             delete(tmp)  # our partial output
     raise_together(error, f"write the sharded checkpoint {path}")
-    on_rank0(lambda: swap_into_place(tmp, path), f"finish the sharded checkpoint {path}")
+    on_every_rank(lambda: swap_into_place(tmp, path) if owner else None, f"finish the sharded checkpoint {path}")
 
 
 def has_entry(checkpoint: Mapping[str, Any], key: str) -> bool:
