@@ -435,41 +435,80 @@ def test_a_rank0_failure_while_streaming_is_raised_everywhere_without_a_hang(tmp
 
 
 # =========================================================================== a directory per rank
-def _save_per_rank(pretrained: str, base: str, async_save: bool) -> None:
-    """During the epoch (in the background with ``async_save``), save once to one path and once to a path of each
-    rank's own, as Ray Train's report callback does; both at the same step."""
+def _save_per_rank(pretrained: str, base: str, async_save: bool, reports_its_world: bool) -> dict:
+    """During the epoch, save to one path, then twice to a path of each rank's own (as Ray Train's report callback
+    does, which reads the directory as soon as the save returns), then to a per-rank path that is someone else's
+    directory on rank 1. ``reports_its_world``: under a cluster environment like Ray's (it started the processes and
+    reports their world itself; here the test helper started them), else a plain launch."""
     import lightning as L
+    from lightning.fabric.plugins.environments import LightningEnvironment
 
     from lightning_fsdp2 import FSDP2Strategy
     from tests.models import ResumeModule, quiet_trainer_kwargs
 
-    class SaveTwice(L.Callback):
+    class ReportsItsOwnWorld(LightningEnvironment):  # what Ray's RayLightningEnvironment does, from the environment
+        creates_processes_externally = True
+
+        def world_size(self) -> int:
+            return int(os.environ["WORLD_SIZE"])
+
+        def global_rank(self) -> int:
+            return int(os.environ["RANK"])
+
+        def set_world_size(self, size: int) -> None:
+            pass
+
+        def set_global_rank(self, rank: int) -> None:
+            pass
+
+    seen: dict = {}
+
+    class SaveAround(L.Callback):
         def on_train_epoch_end(self, trainer, pl_module) -> None:
+            rank = trainer.global_rank
             trainer.save_checkpoint(f"{base}/one.ckpt")
-            trainer.save_checkpoint(f"{base}/rank{trainer.global_rank}/own.ckpt")
+            own = Path(f"{base}/rank{rank}/own.ckpt")
+            for attempt in ("first", "again"):
+                trainer.save_checkpoint(own)
+                seen[attempt] = sorted(p.name for p in own.iterdir()) if own.is_dir() else None  # at once, as Ray
+            foreign = Path(f"{base}/rank{rank}/theirs")
+            if rank == 1:
+                _foreign_directory(foreign)
+            try:
+                trainer.save_checkpoint(foreign)
+                seen["foreign"] = "saved"
+            except CheckpointFileError as err:
+                seen["foreign"] = str(err)
 
     trainer = L.Trainer(
-        accelerator="cpu", devices=2, strategy=FSDP2Strategy(state_dict_type="sharded", async_save=async_save),
-        max_epochs=1, limit_val_batches=0, num_sanity_val_steps=0, callbacks=[SaveTwice()], **quiet_trainer_kwargs(),
+        accelerator="cpu", devices=1 if reports_its_world else 2,
+        plugins=[ReportsItsOwnWorld()] if reports_its_world else [],
+        strategy=FSDP2Strategy(state_dict_type="sharded", async_save=async_save), max_epochs=1,
+        limit_val_batches=0, num_sanity_val_steps=0, callbacks=[SaveAround()], **quiet_trainer_kwargs(),
     )
     trainer.fit(ResumeModule(pretrained))
+    return seen
 
 
 @pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
-def test_a_sharded_save_to_a_path_per_rank_writes_each_ranks_shards_there(
+def test_under_an_environment_like_rays_each_rank_writes_its_shards_to_its_own_path(
     async_save: bool, pretrained: Path, tmp_path: Path
 ) -> None:
-    """Each rank writes its own shards where it was told (rank 0 the index and meta.pt too); merged, the directories
-    are the checkpoint one path gets. A rank's directory alone is named incomplete, not read as if whole."""
+    """Each rank writes its own shards where it was told (rank 0 the index and meta.pt too), complete when the save
+    returns (with async_save too: Ray's callback reports and deletes the directory at once), replacing its own part
+    of an earlier save; merged, the directories are the checkpoint one path gets. A rank's directory alone is named
+    incomplete. A foreign directory on one rank is refused on every rank, and nothing is left on the others."""
     import shutil
 
-    run_distributed(_save_per_rank, 2, str(pretrained), str(tmp_path), async_save)
-    own = [tmp_path / f"rank{r}" / "own.ckpt" for r in range(2)]
-    names = [sorted(p.name for p in d.iterdir()) for d in own]
-    assert {".metadata", "meta.pt"} < set(names[0])
-    assert all(n.startswith("__0_") for n in set(names[0]) - {".metadata", "meta.pt"})
-    assert names[1] and all(n.startswith("__1_") for n in names[1]), names[1]
+    seen = run_distributed(_save_per_rank, 2, str(pretrained), str(tmp_path), async_save, True)
+    assert {".metadata", "meta.pt"} < set(seen[0]["first"]) and seen[0]["first"] == seen[0]["again"]
+    assert all(n.startswith("__0_") for n in set(seen[0]["first"]) - {".metadata", "meta.pt"})
+    assert seen[1]["first"] and all(n.startswith("__1_") for n in seen[1]["first"]) and seen[1]["again"] == \
+        seen[1]["first"], seen[1]
+    assert seen[0]["foreign"] == seen[1]["foreign"] and "Refusing to save to" in seen[0]["foreign"], seen
     assert sorted(p.name for p in tmp_path.iterdir()) == ["one.ckpt", "rank0", "rank1"]  # no temporary left
+    assert [p.name for p in (tmp_path / "rank0").iterdir()] == ["own.ckpt"]  # nor rank 0's half of the refused save
+    own = [tmp_path / f"rank{r}" / "own.ckpt" for r in range(2)]
     with pytest.raises(CheckpointFileError, match="__1_0.distcp"):
         read_full_checkpoint(own[0])
     for file in own[1].iterdir():  # what Ray Train does with the directories its workers report
@@ -479,3 +518,11 @@ def test_a_sharded_save_to_a_path_per_rank_writes_each_ranks_shards_there(
     assert merged["state_dict"].keys() == one["state_dict"].keys()
     for key, value in one["state_dict"].items():
         assert torch.equal(merged["state_dict"][key], value), key
+
+
+def test_elsewhere_every_rank_writes_to_rank_0s_path(pretrained: Path, tmp_path: Path) -> None:
+    """As Lightning's strategies do (ranks may build a file name from a metric logged without sync_dist): one whole
+    checkpoint at rank 0's path, nothing at the others'."""
+    run_distributed(_save_per_rank, 2, str(pretrained), str(tmp_path), False, False)
+    assert not (tmp_path / "rank1" / "own.ckpt").exists()
+    assert read_full_checkpoint(tmp_path / "rank0" / "own.ckpt")["global_step"] > 0

@@ -129,6 +129,17 @@ class FrontEndCore:
             return self._reported_per_node
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
+    def _checkpoint_target(self, path: Any, sharded: bool) -> tuple[str, bool]:
+        """Where this rank writes a checkpoint ``path``, and whether the save must end before it returns.
+
+        Rank 0's path, as Lightning's strategies do (ranks may build a file name from an unsynced metric). A sharded
+        save under a cluster environment that starts the processes itself (Ray Train) writes to each rank's own path,
+        synchronously: Ray's ``RayTrainReportCallback`` gives every worker a temporary directory, reports it as soon
+        as the save returns, deletes it, and Ray merges what the workers reported into one checkpoint."""
+        if sharded and self._reported_per_node is not None:
+            return str(path), True
+        return self.broadcast(str(path)), False  # type: ignore[attr-defined]
+
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         """Each data-parallel rank reads a different part of the data; the ranks of a tensor-parallel group (which

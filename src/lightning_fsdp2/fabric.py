@@ -302,8 +302,8 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         filter: dict[str, Callable[[str, Any], bool]] | None = None,
     ) -> None:
         """``fabric.save``: modules and optimizers as shards, written as one file streamed by rank 0 (``"full"``) or a
-        directory from every rank (``"sharded"``; each rank writes its shards to the ``path`` it passes: one path
-        everywhere is one directory), atomically; call on every rank."""
+        directory from every rank (``"sharded"``), atomically, to rank 0's ``path`` (under Ray Train, each rank's
+        shards to its own); call on every rank."""
         if storage_options is not None:
             raise TypeError("lightning_fsdp2.fabric.FSDP2Strategy does not take `storage_options`: it uses no CheckpointIO.")
         checkpoint: dict[str, Any] = {}
@@ -321,9 +321,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
             else:
                 value = obj
             _apply_filter(key, filter or {}, value, checkpoint)
-        # The full format is written by rank 0, to its path. A sharded save writes each rank's shards where that
-        # rank was told: one directory, or one per rank to be merged (Ray Train's report callback).
-        target = str(path) if self._sharded else self.broadcast(str(path))
+        target, _ = self._checkpoint_target(path, self._sharded)  # Fabric's sharded saves are synchronous
         formats.save(
             checkpoint,
             target,

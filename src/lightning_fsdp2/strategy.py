@@ -400,8 +400,8 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
     ) -> None:
         """Write ``checkpoint`` atomically: one file streamed by rank 0 (``"full"``) or a directory from all ranks
         (``"sharded"``, in the background with ``async_save``). Every rank must call it (``trainer.save_checkpoint``
-        does): the shards come from all of them, each rank's written to the ``filepath`` it passes (the same path
-        everywhere is one directory; a path per rank, as Ray Train's report callback gives, one directory each)."""
+        does): the shards come from all of them, into rank 0's ``filepath`` (under Ray Train, each into its own: see
+        ``_checkpoint_target``)."""
         assert self.model is not None
         self.wait_for_checkpoint()  # one save at a time: the previous one is complete (and in place) first
         trainable_only = self._trainable_only(self._parallelized)
@@ -410,9 +410,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
             for key in ("state_dict", *sharded_entries(checkpoint)):
                 if isinstance(checkpoint.get(key), Mapping):
                     checkpoint[key] = {k: v for k, v in checkpoint[key].items() if k not in frozen}
-        # The full format is written by rank 0, to its path. A sharded save writes each rank's shards where that
-        # rank was told: one directory, or one per rank to be merged (Ray Train's report callback).
-        target = str(filepath) if self._sharded else self.broadcast(str(filepath))
+        target, synchronous = self._checkpoint_target(filepath, self._sharded)
         ckpt.save(
             checkpoint,
             target,
@@ -422,7 +420,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
             checkpoint_io=self.checkpoint_io,
             storage_options=storage_options,
             tied={"state_dict": tied_aliases(self.model, checkpoint.get("state_dict", {}))},
-            background=self._background if self._trainer_running() else None,
+            background=self._background if self._trainer_running() and not synchronous else None,
         )
         self.barrier()
 

@@ -6,7 +6,7 @@ worker failure (``FailureConfig``), or when a run is started again under the sam
 Epochs of tests.models.ResumeModule; rank 0 writes the trained state. Run by tests/integration/test_ray.py.
 
     python ray_fit.py PRETRAINED OUT STORAGE [--workers 2] [--nodes 1] [--devices auto] [--epochs 2] [--sharded]
-                      [--mesh R,S] [--fail-at-epoch E] [--fabric ADAPTER]
+                      [--async-save] [--mesh R,S] [--fail-at-epoch E] [--fabric ADAPTER]
 
 ``--nodes 2``: a Ray cluster of two nodes on this machine (``ray.cluster_utils.Cluster``, the second node on another
 loopback address, so that Ray places and ranks the workers per node). ``--fail-at-epoch E``: worker 1 dies at the
@@ -46,10 +46,19 @@ def train_func(config: dict) -> None:
                 ray.train.get_all_reported_checkpoints()
                 os._exit(1)
 
+    written: list = []  # what each save left where this rank was told to write, as RayTrainReportCallback reads it
+
+    class Recording(FSDP2Strategy):
+        def save_checkpoint(self, checkpoint, filepath, storage_options=None) -> None:
+            super().save_checkpoint(checkpoint, filepath, storage_options)
+            path = Path(filepath)
+            written.append((str(path), sorted(p.name for p in path.iterdir()) if path.is_dir() else path.is_file()))
+
     module = ResumeModule(config["pretrained"])
     kwargs = {**quiet_trainer_kwargs(), "enable_checkpointing": False}
     mesh = tuple(config["mesh"]) if config["mesh"] else None
-    strategy = FSDP2Strategy(state_dict_type="sharded" if config["sharded"] else "full", device_mesh=mesh)
+    strategy = Recording(state_dict_type="sharded" if config["sharded"] else "full", device_mesh=mesh,
+                         async_save=config["async_save"])
     trainer = L.Trainer(
         devices=config["devices"], accelerator="auto", strategy=strategy, plugins=[RayLightningEnvironment()],
         callbacks=[RayTrainReportCallback(), DieOnce()], max_epochs=config["epochs"], limit_val_batches=0,
@@ -64,13 +73,15 @@ def train_func(config: dict) -> None:
     state = full_state(module)  # every rank takes part in the gather
     nodes: list = [None] * trainer.world_size
     torch.distributed.all_gather_object(nodes, (trainer.node_rank, trainer.local_rank))
+    saves: list = [None] * trainer.world_size
+    torch.distributed.all_gather_object(saves, written)
     if trainer.global_rank == 0:
         strategy = trainer.strategy
         torch.save({
             "state": state, "step": trainer.global_step, "lr": trainer.optimizers[0].param_groups[0]["lr"],
             "environment": type(strategy.cluster_environment).__name__, "world_size": trainer.world_size,
             "sampler": strategy.distributed_sampler_kwargs, "mesh": list(strategy.device_mesh.shape),
-            "nodes": nodes, "resumed": checkpoint is not None,
+            "nodes": nodes, "saves": saves, "resumed": checkpoint is not None,
             "died": Path(config["storage"], "died").exists(),
         }, config["out"])
 
@@ -98,6 +109,7 @@ def main() -> None:
     parser.add_argument("--devices", default="auto")
     parser.add_argument("--epochs", type=int, default=2)
     parser.add_argument("--sharded", action="store_true", help="FSDP2Strategy(state_dict_type='sharded')")
+    parser.add_argument("--async-save", action="store_true", help="FSDP2Strategy(async_save=True), with --sharded")
     parser.add_argument("--mesh", default=None, help="device_mesh, e.g. 2,2")
     parser.add_argument("--fail-at-epoch", type=int, default=None)
     parser.add_argument("--fabric", default=None, metavar="ADAPTER")
@@ -122,7 +134,7 @@ def main() -> None:
     else:
         ray.init(num_cpus=args.workers, include_dashboard=False, runtime_env=runtime_env)
     config = {"pretrained": args.pretrained, "out": args.out, "storage": args.storage, "epochs": args.epochs,
-              "sharded": args.sharded, "fail_at_epoch": args.fail_at_epoch, "adapter": args.fabric,
+              "sharded": args.sharded, "async_save": args.async_save, "fail_at_epoch": args.fail_at_epoch, "adapter": args.fabric,
               "mesh": [int(n) for n in args.mesh.split(",")] if args.mesh else None,
               "devices": int(args.devices) if args.devices.isdigit() else args.devices}
     trainer = TorchTrainer(

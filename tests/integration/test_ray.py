@@ -41,6 +41,18 @@ def _ok(proc: subprocess.CompletedProcess) -> None:
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-6000:]
 
 
+def _assert_each_worker_wrote_its_own_shards(result: dict) -> None:
+    """In the sharded format, each rank's saves went into the temporary directory RayTrainReportCallback gave that
+    rank (named after its world rank) and hold that rank's shards alone, rank 0's also the index and meta.pt: nothing
+    needs a file system the workers share but Ray's storage."""
+    for rank, saves in enumerate(result["saves"]):
+        assert saves, f"rank {rank} saved nothing"
+        for path, files in saves:
+            assert f"world_rank={rank}" in path, (rank, path)
+            assert files and {f for f in files if f.endswith(".distcp")} == {f"__{rank}_0.distcp"}, (rank, files)
+            assert ({".metadata", "meta.pt"} <= set(files)) == (rank == 0), (rank, files)
+
+
 def _reported(proc: subprocess.CompletedProcess) -> Path:
     """Ray's last reported checkpoint: a directory of Ray's storage holding RayTrainReportCallback's file."""
     return Path(proc.stdout.split("RESULT checkpoint ")[1].split()[0]) / "checkpoint.ckpt"
@@ -93,8 +105,9 @@ def test_a_run_started_again_resumes_from_the_checkpoint_ray_reported(
     assert not torch.load(tmp_path / "result.pt", weights_only=True)["resumed"]
     reported = _reported(first)
     if fmt == "sharded":
+        _assert_each_worker_wrote_its_own_shards(torch.load(tmp_path / "result.pt", weights_only=True))
         names = {p.name for p in reported.iterdir()}
-        assert {".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp"} <= names, names  # both workers' shards
+        assert {".metadata", "meta.pt", "__0_0.distcp", "__1_0.distcp"} <= names, names  # merged by Ray
     again = _ray_fit(pretrained, tmp_path, "--epochs", "2", "--workers", str(workers), *sharded)
     _ok(again)
     assert str(reported) in again.stdout + again.stderr  # "Restoring states from the checkpoint path at ..."
@@ -105,27 +118,35 @@ def test_a_run_started_again_resumes_from_the_checkpoint_ray_reported(
 
 def test_a_worker_that_dies_is_restarted_and_resumes(pretrained: Path, one_process: dict, tmp_path: Path) -> None:
     """`FailureConfig(max_failures=1)`: worker 1 ends its process at the start of the second epoch; Ray restarts
-    both workers, which resume from the checkpoint of the first epoch, to the uninterrupted run's weights."""
-    proc = _ray_fit(pretrained, tmp_path, "--fail-at-epoch", "1", "--sharded")
+    both workers, which resume from the checkpoint of the first epoch, to the uninterrupted run's weights. Sharded,
+    with `async_save=True`: under Ray each save is complete when it returns (Ray's callback reports the directory at
+    once, then deletes it)."""
+    proc = _ray_fit(pretrained, tmp_path, "--fail-at-epoch", "1", "--sharded", "--async-save")
     _ok(proc)
     result = torch.load(tmp_path / "result.pt", weights_only=True)
     assert result["died"] and result["resumed"]
+    _assert_each_worker_wrote_its_own_shards(result)
     assert_same_run(result, one_process, "Ray Train, resumed after a worker died")
 
 
-@pytest.mark.parametrize("mesh", [None, "2,2"], ids=["fsdp-over-4", "hsdp-2x2"])
+@pytest.mark.parametrize(("mesh", "fmt"), [(None, "full"), ("2,2", "sharded")], ids=["fsdp-over-4", "hsdp-2x2"])
 def test_two_ray_nodes_of_two_workers_train_as_one_process(
-    mesh: str | None, pretrained: Path, one_process: dict, tmp_path: Path
+    mesh: str | None, fmt: str, pretrained: Path, one_process: dict, tmp_path: Path
 ) -> None:
     """A Ray cluster of two nodes (Ray's own `ray.cluster_utils.Cluster`, the second node on another loopback
     address), two workers each: Ray ranks them per node, and FSDP over the 4 or HSDP (2 replicas of 2 shards, each
-    replica within a node) ends with one process's weights."""
-    proc = _ray_fit(pretrained, tmp_path, "--workers", "4", "--nodes", "2", *(("--mesh", mesh) if mesh else ()))
+    replica within a node) ends with one process's weights; the sharded checkpoints each worker wrote into its own
+    directory, merged by Ray."""
+    proc = _ray_fit(pretrained, tmp_path, "--workers", "4", "--nodes", "2", *(("--mesh", mesh) if mesh else ()),
+                    *(("--sharded",) if fmt == "sharded" else ()))
     _ok(proc)
     result = torch.load(tmp_path / "result.pt", weights_only=True)
     assert result["world_size"] == 4 and result["nodes"] == [(0, 0), (0, 1), (1, 0), (1, 1)], result["nodes"]
     assert result["mesh"] == ([2, 2] if mesh else [4])
     assert_same_run(result, one_process, f"two Ray nodes, device_mesh={mesh}")
+    if fmt == "sharded":
+        _assert_each_worker_wrote_its_own_shards(result)
+        assert {f"__{r}_0.distcp" for r in range(4)} <= {p.name for p in _reported(proc).iterdir()}
 
 
 def test_fabric_in_ray_workers_trains_as_single_device_fabric(tmp_path: Path) -> None:

@@ -94,7 +94,7 @@ def temporary_path(path: Path, token: str | None = None) -> Path:
 def checkpoint_kind(path: str | os.PathLike) -> str | None:
     """What is at ``path``, as far as replacing it is concerned: ``"absent"``, ``"empty"`` (an empty directory),
     ``"full"`` (a file ``torch.save`` wrote, as every Lightning checkpoint is), ``"sharded"`` (a directory holding
-    only what a sharded save writes), ``"link"`` (a symbolic link to one of those, or to nothing, as
+    only what a sharded save writes, or only a rank's shard files where each rank wrote its own path), ``"link"`` (a symbolic link to one of those, or to nothing, as
     ``ModelCheckpoint(save_last="link")`` makes), or ``None``: something else, not ours."""
     path = Path(path)
     if path.is_symlink():
@@ -116,8 +116,9 @@ def checkpoint_kind(path: str | os.PathLike) -> str | None:
         entries = [p.name for p in path.iterdir()]
         if not entries:
             return "empty"
-        if {".metadata", META_FILENAME} <= set(entries) and all(_written_by_sharded_save(n) for n in entries):
-            return "sharded"
+        whole = {".metadata", META_FILENAME} <= set(entries)
+        if all(_written_by_sharded_save(n) for n in entries) and (whole or all(n.endswith(".distcp") for n in entries)):
+            return "sharded"  # a sharded checkpoint, or another rank's part of one written per rank (its shards)
     return None
 
 

@@ -149,11 +149,10 @@ def save_sharded(checkpoint: Mapping[str, Any], path: Path, *, background: Backg
     rank 0. All of it is written into a temporary directory that replaces ``path`` only once complete; a failure on
     any rank removes it and raises on every rank.
 
-    Each rank writes to the ``path`` it was given. The same path on every rank (``trainer.save_checkpoint``,
-    ``ModelCheckpoint``) is one directory. A path of its own on each rank (Ray Train's ``RayTrainReportCallback``
-    gives every worker a temporary directory and merges what the workers report into one checkpoint; a node's local
-    disk) holds that rank's shards, rank 0's also the index and ``meta.pt``: together they are the checkpoint, and a
-    load of one alone names the shards it lacks.
+    Each rank writes to the ``path`` it is given: the same on every rank is one directory. A path of its own on each
+    rank (the strategies pass them under Ray Train, whose ``RayTrainReportCallback`` gives every worker a temporary
+    directory and merges what the workers report into one checkpoint) holds that rank's shards, rank 0's also the
+    index and ``meta.pt``: together they are the checkpoint, and a load of one alone names the shards it lacks.
 
     With ``background`` (a :class:`BackgroundWriter`), the shards are copied to CPU memory now and written by a
     background thread; this returns at once, and ``background.wait()`` (on every rank) completes the save.
@@ -169,8 +168,7 @@ def save_sharded(checkpoint: Mapping[str, Any], path: Path, *, background: Backg
         meta[FORMAT_KEY] = {**meta.get(FORMAT_KEY, {}), "entries": entries}
     paths: list[str] = [""] * dist.get_world_size()
     dist.all_gather_object(paths, str(path))
-    apart = len(set(paths)) > 1  # each rank its own directory: it checks, makes and swaps in its own
-    owner = apart or is_rank0()
+    owner = paths.index(str(path)) == dist.get_rank()  # the lowest rank on a path checks, makes and swaps it in
     token = [uuid.uuid4().hex[:8]]
     dist.broadcast_object_list(token, src=0)  # the same temporary name everywhere
     tmp = temporary_path(path, token[0])
