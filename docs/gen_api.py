@@ -48,20 +48,19 @@ def _defined_public(module: ModuleType) -> list[str]:
     ]
 
 
+PUBLIC_MODULES = ("fabric", "lora", "averaging", "checkpoint", "convert", "quantize")
+"""The modules users import from besides the package itself: each lists its public names in ``__all__``. The other
+modules are the package's inside (how it works is in docs/how-it-works.md), not documented here."""
+
+
 def sections() -> list[tuple[ModuleType, list[str]]]:
-    """The modules to document, each with the names of its entries, in the order of the reference."""
+    """The modules to document, each with the names of its entries, in the order of the reference: the package's
+    ``__all__``, then each public module's."""
     top = importlib.import_module(PACKAGE)
-    plan: list[tuple[ModuleType, list[str]]] = [
-        (top, ["FSDP2Strategy", "FSDP2Precision", "load_pretrained", "CheckpointFileError", "UninitializedError"])
-    ]
-    for suffix in ("fabric", "lora", "averaging", "convert"):
+    plan: list[tuple[ModuleType, list[str]]] = [(top, [n for n in top.__all__ if _is_documentable(getattr(top, n))])]
+    for suffix in PUBLIC_MODULES:
         module = importlib.import_module(f"{PACKAGE}.{suffix}")
-        plan.append((module, list(module.__all__)))
-    checkpoint = importlib.import_module(f"{PACKAGE}.checkpoint")
-    plan.append((checkpoint, [n for n in checkpoint.__all__ if _is_documentable(getattr(checkpoint, n))]))
-    for suffix in ("parallel", "layout", "tensor_parallel", "options", "wrap", "blocks", "init", "peft_support", "precision", "quantize"):
-        module = importlib.import_module(f"{PACKAGE}.{suffix}")
-        plan.append((module, _defined_public(module)))
+        plan.append((module, [n for n in module.__all__ if _is_documentable(getattr(module, n))]))
 
     # Each object once, under the first module that lists it.
     seen: set[int] = set()

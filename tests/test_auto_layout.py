@@ -11,6 +11,7 @@ another, and with Fabric. How close the estimate comes to the measured peak is m
 from __future__ import annotations
 
 import math
+import re
 from pathlib import Path
 
 import lightning as L
@@ -219,6 +220,30 @@ def test_choose_takes_the_fastest_layout_that_fits_and_says_when_none_does() -> 
     with pytest.raises(ValueError, match="no layout fits the budget") as err:
         estimate_layouts(module, 2, batch_shape=(4, 16), memory_budget=_budget(shard) - 1)
     assert "precision='bf16-true'" in str(err.value) and "| (1, 2) | True |" in str(err.value)
+    assert "train fewer parameters (LoRA)" in str(err.value)  # full fine-tuning, fp32, no checkpointing
+    assert "recompute activations" in str(err.value)
+
+
+def test_a_refusal_names_only_what_the_run_does_not_do_yet_largest_component_first() -> None:
+    """A bf16 LoRA run with checkpointing is not told to use bf16, LoRA or checkpointing; the breakdown is ordered by
+    size and counts the allocator's share."""
+    from transformers.models.llama.modeling_llama import LlamaDecoderLayer
+
+    module = _meta_module(lora=True, num_hidden_layers=3)
+    with pytest.raises(ValueError, match="no layout fits the budget") as err:
+        estimate_layouts(module, 2, batch_shape=(4, 16), memory_budget=1000, precision="bf16-true",
+                         activation_checkpointing_policy={LlamaDecoderLayer})
+    said = str(err.value)
+    advice = said.split("To fit: ")[1].split("\n")[0]
+    assert "bf16-true" not in advice and "LoRA" not in advice and "recompute" not in advice, advice
+    assert "quantize the frozen base" in advice and "run more processes" in advice, advice
+    breakdown = said.split("needs about ")[1].split(". To fit")[0]
+    assert "the allocator's share" in breakdown, breakdown
+    figures = re.findall(r"([\d.]+) (B|KiB|MiB|GiB)(?=, |$)", breakdown.split(": ", 1)[1])
+    scale = {"B": 1, "KiB": 2**10, "MiB": 2**20, "GiB": 2**30}
+    sizes = [float(n) * scale[u] for n, u in figures]
+    assert len(sizes) == 6, breakdown
+    assert sizes == sorted(sizes, reverse=True), breakdown
 
 
 def test_estimate_layouts_leaves_the_model_alone_and_wants_it_on_meta() -> None:
@@ -235,9 +260,18 @@ def test_memory_budget_takes_bytes_and_units() -> None:
     assert check_memory_budget("20GiB") == 20 * 2**30
     assert check_memory_budget("1.5 GB") == 1_500_000_000
     assert check_memory_budget("512mib") == 512 * 2**20
-    for bad in ("lots", -1, 0, True, "0GB"):
+    for bad in ("lots", -1, 0, "0GB"):  # bad values: ValueError, as every option's
+        with pytest.raises(ValueError, match="memory_budget"):
+            check_memory_budget(bad)
+    for bad in (True, 1.5e9, [1]):  # another type: TypeError
         with pytest.raises(TypeError, match="memory_budget"):
             check_memory_budget(bad)
+    with pytest.raises(ValueError, match="memory_budget"):
+        FSDP2Strategy(device_mesh="auto", memory_budget="lots")
+    with pytest.raises(ValueError, match="peer_timeout"):  # the same rule for every option
+        FSDP2Strategy(peer_timeout=-1)
+    with pytest.raises(TypeError, match="peer_timeout"):
+        FSDP2Strategy(peer_timeout="5")
 
 
 @pytest.mark.parametrize("kwargs, fragment", [
@@ -334,7 +368,8 @@ def _refused(budget: str) -> str:
 
 def test_a_budget_no_layout_fits_is_refused_on_every_rank_before_allocation() -> None:
     for message in run_distributed(_refused, 2, "10KB"):
-        assert "no layout fits the budget of 0.00 GiB per rank" in message
+        assert "no layout fits the budget of 9.77 KiB per rank (memory_budget, or the memory free when the run" \
+               " started), of which an estimate may use 85%: 8.3 KiB." in message  # 10KB: bytes in units by size
         assert "25% of the budget held back" in message  # no batch_shape: the margin
         assert message.endswith("allocated: []")
 

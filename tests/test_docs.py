@@ -27,6 +27,50 @@ def _load_gen_api() -> ModuleType:
     return module
 
 
+def test_api_reference_lists_what_users_import_and_nothing_else() -> None:
+    """docs/api.md documents the package's `__all__` and each public module's (fabric, lora, averaging, checkpoint,
+    convert, quantize), each name importable; the names the docs tell users to use are among them."""
+    import importlib
+
+    gen = _load_gen_api()
+    documented = {f"{module.__name__}.{name}" for module, names in gen.sections() for name in names}
+    for module_name in ["lightning_fsdp2", *(f"lightning_fsdp2.{m}" for m in gen.PUBLIC_MODULES)]:
+        module = importlib.import_module(module_name)
+        for name in module.__all__:
+            obj = getattr(module, name)  # importable
+            if gen._is_documentable(obj):
+                assert any(d.endswith(f".{name}") for d in documented), f"{module_name}.{name} is not documented"
+    for name in ("PeerLostError", "estimate_layouts", "LayoutChoice", "load_pretrained", "FSDP2Strategy"):
+        assert f"lightning_fsdp2.{name}" in documented, name
+    text = (DOCS / "api.md").read_text()
+    for internal in ("lightning_fsdp2.parallel", "lightning_fsdp2.layout", "lightning_fsdp2.options",
+                     "lightning_fsdp2.peft_support", "lightning_fsdp2.wrap"):
+        assert f"## `{internal}`" not in text and f"# `{internal}`" not in text, internal
+
+
+def test_the_strategy_options_page_shows_every_argument_with_its_default() -> None:
+    """strategy-options.md's "All arguments" block names every option of `FSDP2Strategy` (all but Lightning's own
+    plumbing: accelerator, devices, environment, checkpoint IO, precision plugin) with the default the signature has,
+    and nothing else: it cannot drift from the code."""
+    import ast
+    import inspect
+    from datetime import timedelta
+
+    from lightning_fsdp2 import FSDP2Strategy
+
+    plumbing = {"self", "accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"}
+    signature = {n: p.default for n, p in inspect.signature(FSDP2Strategy.__init__).parameters.items()
+                 if n not in plumbing}
+    text = (DOCS / "strategy-options.md").read_text()
+    block = re.search(r"```python\n(.*?strategy = FSDP2Strategy\(.*?)```", text, re.S).group(1)
+    call = next(node for node in ast.walk(ast.parse(block))
+                if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "FSDP2Strategy")
+    shown = {kw.arg: eval(compile(ast.Expression(kw.value), "<doc>", "eval"), {"timedelta": timedelta})
+             for kw in call.keywords}
+    assert shown.keys() == signature.keys(), (sorted(set(signature) - set(shown)), sorted(set(shown) - set(signature)))
+    assert shown == signature
+
+
 def test_api_reference_is_current() -> None:
     expected = _load_gen_api().render()
     path = DOCS / "api.md"

@@ -24,6 +24,35 @@ def test_a_layout_names_its_dimensions_and_answers_by_name() -> None:
     assert [hsdp.data_parallel_rank(r) for r in range(6)] == list(range(6))
 
 
+def test_the_sizes_by_name_lay_out_the_processes_as_the_positional_forms() -> None:
+    """`device_mesh={"replicate": 2, "shard": 4, "tensor": 2}`: a dimension left out has one rank, "shard" left out
+    takes the processes the others leave; the same Layout as the tuple, checked as strictly."""
+    from lightning_fsdp2 import FSDP2Strategy
+    from lightning_fsdp2.layout import check_mesh_option
+
+    def resolve(option, world=8, per_node=8, tensor=1):
+        return Layout.resolve(check_mesh_option(option), world, per_node, "cpu", tensor)
+
+    assert resolve({"replicate": 2, "shard": 2, "tensor": 2}) == resolve((2, 2, 2))
+    assert resolve({"replicate": 2, "tensor": 2}) == resolve((2, 2, 2))  # shard: what is left
+    assert resolve({"shard": 8}) == resolve(None) == resolve({})
+    assert resolve({"replicate": 2}) == resolve((2, 4))
+    assert resolve({"tensor": 2}) == resolve(None, tensor=2) == resolve({"shard": 4}, tensor=2)
+    assert resolve({"tensor": 2}).names == ("shard", "tensor")
+    with pytest.raises(ValueError, match=r"\['expert'\] name no dimension of the layout; the dimensions are"):
+        FSDP2Strategy(device_mesh={"shard": 2, "expert": 2})
+    with pytest.raises(ValueError, match="each size is a positive int"):
+        FSDP2Strategy(device_mesh={"shard": 0})
+    with pytest.raises(TypeError, match="each size is a positive int"):
+        FSDP2Strategy(device_mesh={"shard": "2"})
+    with pytest.raises(ValueError, match="give the tensor-parallel size once"):
+        resolve({"tensor": 2}, tensor=4)
+    with pytest.raises(ValueError, match="do not split into 3"):
+        resolve({"replicate": 3})
+    with pytest.raises(ValueError, match=r"3 = 3, but there are 8 processes"):
+        resolve({"shard": 3})
+
+
 def test_ranks_that_differ_only_off_the_data_parallel_dimensions_read_the_same_batch() -> None:
     # A dimension that is not data-parallel (tensor parallelism's, next): its ranks share one batch.
     layout = Layout(("replicate", "shard", "tensor"), (2, 2, 2))

@@ -173,9 +173,9 @@ def _timed(run: Any, out: str, rank: int, quiet: Any = lambda: False) -> None:
 
 
 def _waited(error: str) -> int:
-    """The seconds a PeerLostError says its rank waited ("it failed S s into it"): timed from the phase, not from a
-    set-up that a loaded machine may slow down."""
-    return int(re.search(r"it failed (\d+) s into it", error).group(1))
+    """The seconds a PeerLostError says its rank waited ("it failed S s after that phase began"): timed from the
+    phase, not from a set-up that a loaded machine may slow down."""
+    return int(re.search(r"it failed (\d+) s after that phase began", error).group(1))
 
 
 def _misbehaved(how: str, tmp_path: Path) -> tuple[list[dict[str, Any]], str]:

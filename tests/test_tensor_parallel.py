@@ -519,6 +519,8 @@ def _refusal(case: str, pretrained: str) -> str:
     if case == "unmatched":
         strategy["tensor_parallel_plan"] = {"model.layers.*.self_attn.q_proj": "colwise",
                                             "model.layers.*.mlp.nothing": "colwise"}
+    if case == "unmatched-peft":  # names as in the plain model: under peft's wrapper they start otherwise
+        strategy["tensor_parallel_plan"] = {"model.layers.*.mlp.up_proj": "colwise"}
     try:
         fabric = L.Fabric(accelerator="cpu", devices=2, strategy=FabricStrategy(**strategy))
         fabric.launch()
@@ -541,6 +543,8 @@ def _refusal(case: str, pretrained: str) -> str:
                 from transformers import LlamaForCausalLM
 
                 model = LlamaForCausalLM(tiny_llama_config())
+            if case == "unmatched-peft":
+                model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"]))
             if case == "dora":
                 model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj"], use_dora=True))
             if case == "modules-to-save":
@@ -563,7 +567,9 @@ def _refusal(case: str, pretrained: str) -> str:
     ("dora", "DoRA on a layer the tensor-parallel plan splits ('colwise')"),
     ("tied", "tied between ['GemmaTextScaledWordEmbedding.weight', 'Linear.weight'] is split differently for each"),
     ("modules-to-save", "lm_head: peft's ModulesToSaveWrapper on a layer the tensor-parallel plan splits"),
-    ("unmatched", "['model.layers.*.mlp.nothing'] match no module of LlamaForCausalLM"),
+    ("unmatched", "['model.layers.*.mlp.nothing'] match no module of the LlamaForCausalLM the strategy sets up."),
+    ("unmatched-peft", "Its modules that end like them: for 'model.layers.*.mlp.up_proj':"
+                       " 'base_model.model.model.layers.*.mlp.up_proj'."),
     ("compile+checkpointing", "activation_checkpointing_policy=...) together do not run with tensor parallelism"),
     ("selective-checkpointing", "activation_checkpointing_save=...) does not run with tensor parallelism"),
     ("qlora", "(QLoRA) does not run with tensor parallelism"),
@@ -598,8 +604,10 @@ def test_layouts_and_plans_that_cannot_work_are_refused_at_construction_or_resol
         FSDP2Strategy(tensor_parallel_size=2, tensor_parallel_plan={})
     with pytest.raises(TypeError, match="tensor_parallel_plan"):
         FSDP2Strategy(tensor_parallel_size=2, tensor_parallel_plan=["up"])
-    with pytest.raises(TypeError, match="tensor_parallel_size"):
+    with pytest.raises(ValueError, match="tensor_parallel_size"):  # a bad value; another type: TypeError
         FSDP2Strategy(tensor_parallel_size=0)
+    with pytest.raises(TypeError, match="tensor_parallel_size"):
+        FSDP2Strategy(tensor_parallel_size="2")
     with pytest.raises(ValueError, match="no tensor dimension"):
         from lightning_fsdp2.options import StrategyOptions
 

@@ -101,6 +101,7 @@ class ModelSize:
     groups: tuple[GroupSize, ...]
     activations: int | None = None
     activations_note: str = ""
+    checkpointed: bool = False  # some activations are recomputed in backward (activation checkpointing)
 
     @property
     def parameters(self) -> int:
@@ -162,7 +163,7 @@ class LayoutChoice:
         return layout_of(self.chosen)
 
     def table(self) -> str:
-        """The estimates as a table (GiB per rank), the chosen row marked."""
+        """The estimates as a table (bytes per rank, in units by size), the chosen row marked."""
         head = ("| layout | reshard after forward | parameters | gradients | optimizer | gathered | activations |"
                 " allocator | total | fits |")
         lines = [head, "|---|---|---:|---:|---:|---:|---:|---:|---:|---|"]
@@ -170,18 +171,17 @@ class LayoutChoice:
             fits = "-" if self.budget is None else ("yes" if e.fits(self.budget) else "no")
             mark = " (chosen)" if e is self.chosen else ""
             lines.append(
-                f"| ({e.replicate}, {e.shard}){mark} | {e.reshard_after_forward} | {_gib(e.parameters)} |"
-                f" {_gib(e.gradients)} | {_gib(e.optimizer)} | {_gib(e.gathered)} | {_gib(e.activations)} |"
-                f" {_gib(e.allocator)} | {_gib(e.total)} | {fits} |"
+                f"| ({e.replicate}, {e.shard}){mark} | {e.reshard_after_forward} | {_size(e.parameters)} |"
+                f" {_size(e.gradients)} | {_size(e.optimizer)} | {_size(e.gathered)} | {_size(e.activations)} |"
+                f" {_size(e.allocator)} | {_size(e.total)} | {fits} |"
             )
         return "\n".join(lines)
 
     def describe(self) -> str:
         """What the strategy prints once on rank 0."""
-        budget = f"{_gib(self.budget)} GiB per rank" if self.budget is not None else "no budget"
         chosen = self.chosen.describe() if self.chosen is not None else "none"
-        return (f"FSDP2Strategy(device_mesh='auto') chose {chosen}: estimated per-rank memory (GiB) against"
-                f" {FITS_IN:.0%} of the budget ({budget}); activations: {self.activations_note}.\n{self.table()}")
+        return (f"FSDP2Strategy(device_mesh='auto') chose {chosen}: estimated memory per rank against"
+                f" {_budget_words(self.budget)}; activations: {self.activations_note}.\n{self.table()}")
 
 
 def layout_of(estimate: Estimate) -> Layout:
@@ -226,7 +226,7 @@ def measure_model(
     activations, note = (None, f"{ACTIVATION_MARGIN:.0%} of the budget held back (no batch_shape given)")
     if batch_shape is not None:
         activations, note = saved_activations(model, batch_shape, checkpointed)
-    return ModelSize(tuple(groups), activations, note)
+    return ModelSize(tuple(groups), activations, note, checkpointed=bool(checkpointed))
 
 
 def _tensor_size(param: Tensor, gathered_dtype: torch.dtype | None, nf4: bool) -> TensorSize:
@@ -463,16 +463,15 @@ def choose(
     note = model.activations_note
     if chosen is None:
         smallest = min(estimates, key=lambda e: e.total)
+        parts = {"parameters": smallest.parameters, "gradients": smallest.gradients,
+                 "optimizer state (Adam's two moments assumed)": smallest.optimizer,
+                 "gathered parameters": smallest.gathered, f"activations ({note})": smallest.activations,
+                 "the allocator's share": smallest.allocator}
+        breakdown = ", ".join(f"{what} {_size(n)}" for what, n in sorted(parts.items(), key=lambda kv: -kv[1]) if n)
         raise ValueError(
-            f"FSDP2Strategy(device_mesh='auto'): no layout fits the budget of {_gib(budget)} GiB per rank (estimates"
-            f" must stay within {FITS_IN:.0%} of it). The"
-            f" smallest, {smallest.describe()}, needs about {_gib(smallest.total)} GiB: parameters"
-            f" {_gib(smallest.parameters)}, gradients {_gib(smallest.gradients)}, optimizer state"
-            f" {_gib(smallest.optimizer)} (Adam's two moments assumed), gathered {_gib(smallest.gathered)}, activations"
-            f" {_gib(smallest.activations)} ({note}). To fit: store the weights in 16 bits (precision='bf16-true'),"
-            " quantize the frozen base (load_pretrained(..., quantize='nf4')), train fewer parameters (LoRA),"
-            " recompute activations (activation_checkpointing_policy) or use smaller micro-batches, run more"
-            " processes; or give memory_budget= if the budget itself is wrong.\n"
+            f"FSDP2Strategy(device_mesh='auto'): no layout fits {_budget_words(budget)}. The smallest,"
+            f" {smallest.describe()}, needs about {_size(smallest.total)}: {breakdown}. To fit: "
+            + "; ".join(_what_would_fit(smallest, model)) + ".\n"
             + LayoutChoice(estimates, budget, None, note).table()
         )
     return LayoutChoice(estimates, budget, chosen, note)
@@ -588,17 +587,21 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
 
 
 def check_memory_budget(value: Any) -> int | None:
-    """``memory_budget`` as bytes (an int, or a string such as ``"20GiB"``/``"80GB"``), or a ``TypeError``."""
+    """``memory_budget`` as bytes (an int, or a string such as ``"20GiB"``/``"80GB"``); a ``TypeError`` for another
+    type, a ``ValueError`` for a bad value (as every option)."""
     if value is None:
         return None
-    if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+    what = (f"FSDP2Strategy(memory_budget={value!r}): the bytes each rank may use, as a positive int or a string such"
+            " as '20GiB' or '80GB' (None: the device's free memory).")
+    if isinstance(value, bool) or not isinstance(value, (int, str)):
+        raise TypeError(what)
+    if isinstance(value, int):
+        if value <= 0:
+            raise ValueError(what)
         return value
-    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*", value, re.I) if isinstance(value, str) else None
+    match = re.fullmatch(r"\s*([0-9]*\.?[0-9]+)\s*([kmgt]i?b|b)?\s*", value, re.I)
     if match is None or float(match.group(1)) <= 0:
-        raise TypeError(
-            f"FSDP2Strategy(memory_budget={value!r}): the bytes each rank may use, as a positive int or a string"
-            " such as '20GiB' or '80GB' (None: the device's free memory)."
-        )
+        raise ValueError(what)
     return int(float(match.group(1)) * _UNITS[(match.group(2) or "").lower()])
 
 
@@ -620,5 +623,44 @@ def available_memory(device: torch.device, local_processes: int) -> int:
     return available // max(local_processes, 1)
 
 
-def _gib(n: int | None) -> str:
-    return "-" if n is None else f"{n / 2**30:.2f}"
+def _what_would_fit(estimate: Estimate, model: ModelSize) -> list[str]:
+    """What would make ``estimate`` smaller, for its largest components first, leaving out what is done already
+    (16-bit weights, NF4, LoRA, activation checkpointing); then more processes, and a budget that is wrong."""
+    tensors = [t for g in model.groups for t in g.tensors]
+    wide = sum(t.numel for t in tensors if t.stored >= 4) > 0.5 * max(model.parameters, 1)  # mostly 32-bit (not
+    # the fp32 adapters "bf16-true" keeps on a 16-bit base)
+    frozen_wide = any(not t.trainable and t.stored >= 2 for t in tensors)  # a frozen base not in NF4
+    many_trained = model.trainable > 0.1 * max(model.parameters, 1)
+    bits = "store the weights in 16 bits (precision='bf16-true')"
+    remedies = {
+        "parameters": [(bits, wide), ("quantize the frozen base (load_pretrained(..., quantize='nf4'))", frozen_wide)],
+        "gradients": [("train fewer parameters (LoRA)", many_trained), (bits, wide)],
+        "optimizer": [("train fewer parameters (LoRA)", many_trained)],
+        "gathered": [(bits, wide)],
+        "activations": [("recompute activations (activation_checkpointing_policy)", not model.checkpointed),
+                        ("use smaller micro-batches", model.activations is not None)],
+    }
+    sizes = {"parameters": estimate.parameters, "gradients": estimate.gradients, "optimizer": estimate.optimizer,
+             "gathered": estimate.gathered, "activations": estimate.activations}
+    advice: list[str] = []
+    for component in sorted(sizes, key=lambda c: -sizes[c]):
+        advice += [what for what, useful in remedies[component] if useful and sizes[component] and what not in advice]
+    return advice + ["run more processes", "or give memory_budget= if the budget itself is wrong"]
+
+
+def _budget_words(budget: int | None) -> str:
+    """Which figure is the budget, and how much of it an estimate may use."""
+    if budget is None:
+        return "no budget"
+    return (f"the budget of {_size(budget)} per rank (memory_budget, or the memory free when the run started), of"
+            f" which an estimate may use {FITS_IN:.0%}: {_size(int(FITS_IN * budget))}")
+
+
+def _size(n: int | None) -> str:
+    """Bytes in the unit that suits them: ``"512 B"``, ``"12.3 KiB"``, ``"1.5 GiB"``."""
+    if n is None:
+        return "-"
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(n) >= scale:
+            return f"{n / scale:.3g} {unit}" if n < 100 * scale else f"{n / scale:.0f} {unit}"
+    return f"{n} B"

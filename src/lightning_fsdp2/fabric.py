@@ -96,7 +96,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         mixed_precision: MixedPrecisionPolicy | None = None,
         reshard_after_forward: bool | int = True,
         cpu_offload: bool | CPUOffloadPolicy = False,
-        device_mesh: tuple[int, int] | tuple[int, int, int] | DeviceMesh | Literal["auto"] | None = None,
+        device_mesh: tuple[int, int] | tuple[int, int, int] | Mapping[str, int] | DeviceMesh | Literal["auto"] | None = None,
         memory_budget: int | str | None = None,
         batch_shape: tuple[int, int] | None = None,
         tensor_parallel_size: int = 1,

@@ -21,7 +21,7 @@ alike, before any collective; :meth:`Layout.build_mesh` then makes the ``DeviceM
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -31,22 +31,58 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 REPLICATE = "replicate"
 SHARD = "shard"
 TENSOR = "tensor"
-DATA_PARALLEL = (REPLICATE, SHARD)
+
+
+@dataclass(frozen=True)
+class Dimension:
+    """One named dimension of the layout: what its ranks share and what they split."""
+
+    name: str
+    data_parallel: bool
+    """Ranks at different coordinates on it read different batches (a step's loss is averaged over them, the sampler
+    splits the data over them, their random streams differ); ranks that differ only on the others share a batch."""
+
+
+DIMENSIONS = (Dimension(REPLICATE, data_parallel=True), Dimension(SHARD, data_parallel=True),
+              Dimension(TENSOR, data_parallel=False))
+"""Every dimension a layout may have, in mesh order (outermost, slowest-varying rank first). A new kind of parallelism
+is one more entry here, one more option, and one more step of ``parallel.parallelize`` (see docs/how-it-works.md)."""
+
+DATA_PARALLEL = tuple(d.name for d in DIMENSIONS if d.data_parallel)
 """The dimensions over which ranks read different data (ranks that differ only on the others share a batch)."""
 
-MeshOption = tuple[int, int] | tuple[int, int, int] | DeviceMesh | None
+MeshOption = tuple[int, int] | tuple[int, int, int] | Mapping[str, int] | DeviceMesh | None
 """What ``FSDP2Strategy(device_mesh=...)`` takes: ``None`` (shard over every process), ``(replicate, shard)``,
-``(replicate, shard, tensor)``, or a ready 1-D (shard), 2-D (replicate, shard) or 3-D (replicate, shard, tensor)
-``DeviceMesh``."""
+``(replicate, shard, tensor)``, the sizes by name (``{"replicate": 2, "shard": 4, "tensor": 2}``; a dimension left
+out has one rank, ``"shard"`` left out takes the processes the others leave), or a ready 1-D (shard), 2-D
+(replicate, shard) or 3-D (replicate, shard, tensor) ``DeviceMesh``."""
 
 
 def check_mesh_option(device_mesh: Any) -> MeshOption:
-    """``device_mesh`` as the strategies keep it, or a ``TypeError`` saying what it takes (at construction)."""
+    """``device_mesh`` as the strategies keep it, or a ``TypeError``/``ValueError`` saying what it takes (at
+    construction)."""
     if device_mesh is None or isinstance(device_mesh, DeviceMesh):
         return device_mesh
+    if isinstance(device_mesh, Mapping):
+        known = [d.name for d in DIMENSIONS]
+        unknown = [k for k in device_mesh if k not in known]
+        if unknown:
+            raise ValueError(
+                f"FSDP2Strategy(device_mesh={dict(device_mesh)!r}): {unknown} name no dimension of the layout; the"
+                f" dimensions are {known}."
+            )
+        bad = {k: v for k, v in device_mesh.items() if not _positive_int(v)}
+        if bad:
+            raise (ValueError if all(_int(v) for v in bad.values()) else TypeError)(
+                f"FSDP2Strategy(device_mesh={dict(device_mesh)!r}): each size is a positive int (ranks along that"
+                f" dimension); got {bad}."
+            )
+        return {d: device_mesh[d] for d in known if d in device_mesh}  # in mesh order
     if not (isinstance(device_mesh, (tuple, list)) and len(device_mesh) in (2, 3)
             and all(_positive_int(n) for n in device_mesh)):
-        raise TypeError(
+        # Another type: TypeError; a tuple of ints of the wrong length or sign: a bad value, ValueError.
+        of_ints = isinstance(device_mesh, (tuple, list)) and all(_int(n) for n in device_mesh)
+        raise (ValueError if of_ints else TypeError)(
             f"FSDP2Strategy(device_mesh={device_mesh!r}): pass a tuple (replicate, shard) of two positive ints"
             " (HSDP: each parameter sharded over `shard` ranks, replicated `replicate` times; their product is"
             " the number of processes), (replicate, shard, tensor) with tensor parallelism over groups of `tensor`"
@@ -56,9 +92,10 @@ def check_mesh_option(device_mesh: Any) -> MeshOption:
 
 
 def check_tensor_parallel_size(size: Any) -> int:
-    """``tensor_parallel_size`` as the strategies keep it, or a ``TypeError`` (at construction)."""
+    """``tensor_parallel_size`` as the strategies keep it, or a ``TypeError`` (not an int) or ``ValueError`` (below 1),
+    at construction."""
     if not _positive_int(size):
-        raise TypeError(
+        raise (ValueError if _int(size) else TypeError)(
             f"FSDP2Strategy(tensor_parallel_size={size!r}): a positive int, the ranks each layer the tensor-parallel"
             " plan names is split over (1, the default: no tensor parallelism)."
         )
@@ -83,6 +120,8 @@ class Layout:
         """The layout ``FSDP2Strategy(device_mesh=option, tensor_parallel_size=...)`` asks for on ``world_size``
         processes, ``devices_per_node`` of them per node; a ``ValueError`` that says what to change if it cannot
         work. Pure: the same on every rank, so every rank raises together, before any collective."""
+        if isinstance(option, Mapping):
+            option, tensor_parallel_size = _positional(option, world_size, tensor_parallel_size)
         if isinstance(option, DeviceMesh):
             layout = cls._from_mesh(option, world_size, device_type)
             if tensor_parallel_size not in (1, layout.tensor_size):
@@ -228,11 +267,23 @@ class Layout:
         kept = tuple(name for name in self.names if name in DATA_PARALLEL)
         return mesh if kept == self.names else mesh[self._mesh_names(mesh, kept)]
 
+    def sub_mesh(self, mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh | None:
+        """The part of ``mesh`` along the dimensions ``names`` (those of them this layout has with more than one
+        rank), flattened to 1-D when there are several; ``None`` when there is none."""
+        kept = tuple(name for name in names if self.size(name) > 1)
+        if not kept:
+            return None
+        part = mesh[self._mesh_names(mesh, kept)]
+        return part if len(kept) == 1 else part._flatten("_".join(kept))
+
     def tensor_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
         """The 1-D part of ``mesh`` that tensor parallelism splits layers over, or ``None`` without it."""
-        if self.tensor_size == 1:
-            return None
-        return mesh[self._mesh_names(mesh, (TENSOR,))[0]]
+        return self.sub_mesh(mesh, (TENSOR,))
+
+    def shared_batch_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
+        """The ranks that compute one batch together (the dimensions that are not data-parallel: ``"tensor"``), as
+        one 1-D mesh; ``None`` without such a dimension. What one of them holds whole, all of them must hold equal."""
+        return self.sub_mesh(mesh, tuple(d.name for d in DIMENSIONS if not d.data_parallel))
 
     def _mesh_names(self, mesh: DeviceMesh, names: tuple[str, ...]) -> tuple[str, ...]:
         """``names`` as ``mesh`` calls its dimensions (a ready mesh may name them otherwise; one that is sliced here
@@ -302,6 +353,36 @@ def local_slice(tensor: Tensor) -> tuple[slice, ...]:
     return tuple(slice(start, start + n) for start, n in zip(offset, shape))
 
 
+def _positional(sizes: Mapping[str, int], world_size: int, tensor_parallel_size: int) -> tuple[Any, int]:
+    """The sizes by name as the positional form and ``tensor_parallel_size``: without ``"replicate"``, ``None`` (one
+    shard group of all processes, or of all but the tensor dimension's); else ``(replicate, shard)`` or ``(replicate,
+    shard, tensor)``. ``"shard"`` left out takes the processes the others leave."""
+    tensor = sizes.get(TENSOR, 1)
+    if TENSOR in sizes and tensor_parallel_size not in (1, tensor):
+        raise ValueError(
+            f"FSDP2Strategy(device_mesh={dict(sizes)!r}, tensor_parallel_size={tensor_parallel_size}): give the"
+            " tensor-parallel size once, in device_mesh or as tensor_parallel_size."
+        )
+    tensor = max(tensor, tensor_parallel_size)
+    replicate = sizes.get(REPLICATE, 1)
+    shard = sizes.get(SHARD)
+    if shard is None:
+        if world_size % (replicate * tensor):
+            raise ValueError(
+                f"FSDP2Strategy(device_mesh={dict(sizes)!r}): {world_size} processes (devices x num_nodes) do not"
+                f" split into {replicate * tensor} ({replicate} replicate x {tensor} tensor); give sizes whose"
+                f" product is {world_size}."
+            )
+        shard = world_size // (replicate * tensor)
+    if REPLICATE not in sizes and shard * tensor == world_size:
+        return None, tensor
+    return (replicate, shard) + ((tensor,) if tensor > 1 else ()), 1  # its product checked as the tuple's
+
+
+def _int(n: Any) -> bool:
+    return isinstance(n, int) and not isinstance(n, bool)
+
+
 def _positive_int(n: Any) -> bool:
-    return isinstance(n, int) and not isinstance(n, bool) and n >= 1
+    return _int(n) and n >= 1
 

@@ -257,8 +257,8 @@ class PeerWatch:
         hint = self._hint(list(peers.values()), unreadable is not None)
         bound = (f" (the bound: {self._bound():g} s, FSDP2Strategy(peer_timeout=...))" if self._armed else "")
         return (
-            f"Rank {rank} waited in a collective ({mine}), and it failed {waited:.0f} s into it{bound}: another rank did"
-            f" not take part. Last seen: {'; '.join(seen) or 'no other rank published its state'}. {hint} Torch"
+            f"Rank {rank} waited in a collective ({mine}), and it failed {waited:.0f} s after that phase began{bound}"
+            f" (time in this rank's own code included): another rank did not take part. Last seen: {'; '.join(seen) or 'no other rank published its state'}. {hint} Torch"
             f" reported: {_torch_said(err)}"
         )
 

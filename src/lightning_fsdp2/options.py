@@ -23,7 +23,7 @@ from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, Offlo
 from lightning_fsdp2.auto_layout import BatchShape, check_memory_budget
 from lightning_fsdp2.blocks import SavePolicy, check_compile_options, check_save_policy
 from lightning_fsdp2.layout import Layout, MeshOption, check_mesh_option, check_tensor_parallel_size
-from lightning_fsdp2.tensor_parallel import TensorParallelPlan, check_plan_option
+from lightning_fsdp2.tensor_parallel import TensorParallelPlan, check_plan_option, check_tensor_parallel_options
 from lightning_fsdp2.wrap import ModulePolicy
 
 StateDictType = Literal["full", "sharded"]
@@ -58,7 +58,7 @@ class LayoutOptions:
             isinstance(batch_shape, (tuple, list)) and len(batch_shape) == 2
             and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in batch_shape)
         ):
-            raise TypeError(
+            raise (ValueError if isinstance(batch_shape, (tuple, list)) else TypeError)(
                 f"FSDP2Strategy(batch_shape={batch_shape!r}): (sequences, tokens) of one rank's micro-batch, two"
                 " positive ints, which device_mesh='auto' estimates the activations for."
             )
@@ -269,14 +269,14 @@ class PeerWatchOptions:
 
     @classmethod
     def from_arguments(cls, *, peer_timeout: float | None = 300.0) -> PeerWatchOptions:
-        if peer_timeout is not None and not (
-            isinstance(peer_timeout, (int, float)) and not isinstance(peer_timeout, bool)
-            and 0 < peer_timeout < float("inf")
-        ):
-            raise ValueError(
-                f"FSDP2Strategy(peer_timeout={peer_timeout!r}): seconds (> 0) a rank waits in a collective for a peer"
-                " before it raises, naming what each rank was doing; or None to wait for the process group's timeout."
-            )
+        if peer_timeout is None:
+            return cls(None)
+        what = (f"FSDP2Strategy(peer_timeout={peer_timeout!r}): seconds (> 0) a rank waits in a collective for a peer"
+                " before it raises, naming what each rank was doing; or None to wait for the process group's timeout.")
+        if isinstance(peer_timeout, bool) or not isinstance(peer_timeout, (int, float)):
+            raise TypeError(what)  # as every option: TypeError for another type, ValueError for a bad value
+        if not 0 < peer_timeout < float("inf"):
+            raise ValueError(what)
         return cls(peer_timeout)
 
 
@@ -419,38 +419,11 @@ class StrategyOptions:
     def check_layout(self, layout: Layout) -> None:
         """Raise, on every rank alike, for options that cannot work with this layout."""
         self.shard.check_layout(layout)
-        self.check_tensor_parallel(layout)
-
-    def check_tensor_parallel(self, layout: Layout) -> None:
-        """Refuse, by name, what does not run with tensor parallelism (yet), and a plan without it."""
-        if layout.tensor_size == 1:
-            if self.tensor_parallel.plan is not None:
-                raise ValueError(
-                    "FSDP2Strategy(tensor_parallel_plan=...) is given, but the layout has no tensor dimension: pass"
-                    " tensor_parallel_size=N (or device_mesh=(replicate, shard, tensor)) as well, or drop the plan."
-                )
-            return
-        if self.compile.kwargs is not None and self.checkpointing.policy is not None:
-            # torch 2.13: AOTAutograd of a checkpointed block whose DTensor ops carry the tensor mesh saves the mesh
-            # for backward and fails ("expected all tensors_saved_with_vc_check to be Tensors").
-            raise ValueError(
-                "FSDP2Strategy(compile=..., activation_checkpointing_policy=...) together do not run with tensor"
-                f" parallelism (tensor size {layout.tensor_size}): torch's compiled autograd of a checkpointed block"
-                " with split layers fails. Keep one of the two (each runs with tensor parallelism), or train without"
-                " tensor parallelism."
-            )
-        refused = {
-            "cpu_offload": self.shard.offload_policy is not None,
-            "activation_checkpointing_save": self.checkpointing.save is not None,
-        }
-        named = [name for name, given in refused.items() if given]
-        if named:
-            raise ValueError(
-                f"FSDP2Strategy({', '.join(f'{n}=...' for n in named)}) does not run with tensor parallelism"
-                f" (tensor size {layout.tensor_size}) yet. Drop {' and '.join(named)}, or train without tensor"
-                " parallelism (tensor_parallel_size=1). Whole-block activation checkpointing"
-                " (activation_checkpointing_policy) and compile do run with it."
-            )
+        check_tensor_parallel_options(
+            layout, plan=self.tensor_parallel.plan, compiled=self.compile.kwargs is not None,
+            checkpointed=self.checkpointing.policy is not None, selective=self.checkpointing.save is not None,
+            offloaded=self.shard.offload_policy is not None,
+        )
 
 
 def _int_at_least(n: Any, low: int) -> bool:

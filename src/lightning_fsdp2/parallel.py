@@ -201,10 +201,8 @@ def parallelize(
         options = replace(options, shard=replace(options.shard,
                                                  reshard_after_forward=choice.chosen.reshard_after_forward))
     assert mesh is not None
-    tensor_mesh = layout.tensor_mesh(mesh)
-    check_tensor_parallel_loads(pretrained, tensor_mesh)
     broadcast_real_tensors(module, device)
-    apply_tensor_parallel(module, tensor_mesh, options.tensor_parallel.plan)
+    apply_tensor_parallel(module, layout, mesh, options.tensor_parallel.plan, pretrained.quantizes)
     blocks = innermost(block_names(module, options.shard.auto_wrap_policy))
     apply_checkpointing_and_compile(module, blocks, options)
     plain = {p for p in module.parameters() if not p.requires_grad} if choice and choice.chosen.frozen_plain else None
@@ -213,7 +211,7 @@ def parallelize(
     schedule_blocks(module, [] if plain else blocks, forward=options.prefetch.forward,
                     backward=options.prefetch.backward, reshard_last=options.prefetch.reshard_last_block)
     apply_root_hooks(module, options)
-    initialized = apply_values(module, options, pretrained, device, tensor_mesh)
+    initialized = apply_values(module, options, pretrained, device, layout.shared_batch_mesh(mesh))
     install_load_hooks(module)  # module.load_state_dict of whole tensors from here on (code written for one device)
     make_step_accessible(module)  # `.item()`, `.tolist()`, `param.data = ...` in a step, as in one process
     return Parallelized(initialized=frozenset(initialized), quantized=frozenset(quantized), layout=layout, mesh=mesh,
@@ -318,10 +316,11 @@ def apply_values(
     options: StrategyOptions,
     pretrained: PlannedLoads,
     device: torch.device,
-    tensor_mesh: DeviceMesh | None = None,
+    shared_batch_mesh: DeviceMesh | None = None,
 ) -> list[str]:
-    """Each rank materializes its own shards, initializes what no pretrained weights cover (``init.py``; what
-    tensor parallelism leaves whole made equal over each tensor group of ``tensor_mesh``), loads the slices
+    """Each rank materializes its own shards, initializes what no pretrained weights cover (``init.py``; what the
+    ranks computing one batch together (``shared_batch_mesh``: tensor parallelism's) hold whole made equal over
+    them), loads the slices
     ``load_pretrained`` declared (``checkpoint/pretrained.py``), derives what depends on them (DoRA magnitudes),
     then checks nothing was left unset; return the names initialized by the init rules."""
     # Offloaded shards live in CPU memory; FSDP2 copies them to the device when it gathers them.
@@ -332,7 +331,7 @@ def apply_values(
     # element of their shards is copied from the file (or the load raises). At scale that saves minutes.
     to_initialize = [name for name in materialized if name not in loaded]
     initialize_module(module, to_initialize)
-    broadcast_replicas(module, to_initialize, tensor_mesh)
+    broadcast_replicas(module, to_initialize, shared_batch_mesh)
     pretrained.run(module)
     initialize_from_loaded(module, to_initialize)  # DoRA magnitudes: norms of the loaded base weights
     check_initialized(module, to_initialize, device)
@@ -433,17 +432,6 @@ def check_not_sharded_already(module: nn.Module) -> None:
         " did not fit), or to start over, build the model anew. (A model an earlier run set up completely is taken"
         " as it is by the next Trainer or Fabric run.)"
     )
-
-
-def check_tensor_parallel_loads(pretrained: PlannedLoads, tensor_mesh: DeviceMesh | None) -> None:
-    """Refuse QLoRA (``load_pretrained(..., quantize="nf4")``) with tensor parallelism: NF4 weights are quantized per
-    whole FSDP shard, and a layer split by the plan has no whole rows to quantize on one rank."""
-    if tensor_mesh is not None and pretrained.quantizes:
-        raise ValueError(
-            "load_pretrained(..., quantize='nf4') (QLoRA) does not run with tensor parallelism: NF4 quantizes the FSDP"
-            " shards of whole weights, and the plan splits them first. Drop tensor_parallel_size (QLoRA already"
-            " keeps the base at 4 bits per weight), or load the base unquantized."
-        )
 
 
 def check_trainable(module: nn.Module) -> None:

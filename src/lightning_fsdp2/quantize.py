@@ -31,6 +31,7 @@ from lightning_fsdp2.wrap import shard_groups, shard_model
 
 QUANTIZATIONS = ("nf4",)
 NF4_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+__all__ = ["is_nf4", "nf4_misfits"]
 
 
 def nf4_module() -> Any:

@@ -108,7 +108,9 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
             over ``replicate`` such groups, so only the gradient all-reduce crosses between groups; ``replicate x
             shard`` (x ``tensor_parallel_size``) must be the number of processes and ``shard`` divide the devices
             per node (or be a multiple of them). ``(replicate, shard, tensor)``: tensor parallelism over groups of
-            ``tensor`` adjacent ranks as well. A ready ``DeviceMesh`` (1-D, 2-D as ``(replicate, shard)`` or 3-D as
+            ``tensor`` adjacent ranks as well. The sizes by name, ``{"replicate": 2, "shard": 4, "tensor": 2}``, say
+            the same (a dimension left out has one rank; ``"shard"`` left out, the processes the others leave). A
+            ready ``DeviceMesh`` (1-D, 2-D as ``(replicate, shard)`` or 3-D as
             ``(replicate, shard, tensor)``, over every rank in order, as ``init_device_mesh`` makes it) is used as
             it is; it needs a process group started by the launcher. ``"auto"``: chosen once the model exists on
             ``meta``, before anything is allocated, from the memory each rank would need (parameters, gradients,
@@ -166,7 +168,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         mixed_precision: MixedPrecisionPolicy | None = None,
         reshard_after_forward: bool | int = True,
         cpu_offload: bool | CPUOffloadPolicy = False,
-        device_mesh: tuple[int, int] | tuple[int, int, int] | DeviceMesh | Literal["auto"] | None = None,
+        device_mesh: tuple[int, int] | tuple[int, int, int] | Mapping[str, int] | DeviceMesh | Literal["auto"] | None = None,
         memory_budget: int | str | None = None,
         batch_shape: tuple[int, int] | None = None,
         tensor_parallel_size: int = 1,

@@ -35,7 +35,7 @@ from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_fsdp2.init import outermost
-from lightning_fsdp2.layout import is_split
+from lightning_fsdp2.layout import Layout, is_split
 from lightning_fsdp2.peft_support import (
     check_tensor_parallel_adapter,
     is_peft_layer,
@@ -91,16 +91,59 @@ def check_plan_option(plan: Any) -> TensorParallelPlan:
     )
 
 
+def check_tensor_parallel_options(
+    layout: Layout, *, plan: TensorParallelPlan, compiled: bool, checkpointed: bool, selective: bool, offloaded: bool
+) -> None:
+    """Refuse, by name, what does not run with tensor parallelism (yet), and a plan without a tensor dimension:
+    ``StrategyOptions.check_layout``'s part for this dimension, on every rank alike, before any collective."""
+    if layout.tensor_size == 1:
+        if plan is not None:
+            raise ValueError(
+                "FSDP2Strategy(tensor_parallel_plan=...) is given, but the layout has no tensor dimension: pass"
+                " tensor_parallel_size=N (or device_mesh=(replicate, shard, tensor)) as well, or drop the plan."
+            )
+        return
+    if compiled and checkpointed:
+        # torch 2.13: AOTAutograd of a checkpointed block whose DTensor ops carry the tensor mesh saves the mesh
+        # for backward and fails ("expected all tensors_saved_with_vc_check to be Tensors").
+        raise ValueError(
+            "FSDP2Strategy(compile=..., activation_checkpointing_policy=...) together do not run with tensor"
+            f" parallelism (tensor size {layout.tensor_size}): torch's compiled autograd of a checkpointed block"
+            " with split layers fails. Keep one of the two (each runs with tensor parallelism), or train without"
+            " tensor parallelism."
+        )
+    named = [name for name, given in (("cpu_offload", offloaded), ("activation_checkpointing_save", selective))
+             if given]
+    if named:
+        raise ValueError(
+            f"FSDP2Strategy({', '.join(f'{n}=...' for n in named)}) does not run with tensor parallelism"
+            f" (tensor size {layout.tensor_size}) yet. Drop {' and '.join(named)}, or train without tensor"
+            " parallelism (tensor_parallel_size=1). Whole-block activation checkpointing"
+            " (activation_checkpointing_policy) and compile do run with it."
+        )
+
+
 # =============================================================================================== the step
-def apply_tensor_parallel(module: nn.Module, mesh: DeviceMesh | None, plan: TensorParallelPlan) -> None:
-    """Split the layers ``plan`` names (the models' own plans when ``None``) over ``mesh``, the layout's tensor
-    dimension. Nothing without a tensor dimension (``mesh`` ``None``).
+def apply_tensor_parallel(
+    module: nn.Module, layout: Layout, mesh: DeviceMesh, plan: TensorParallelPlan, quantizes: bool = False
+) -> None:
+    """``parallel.parallelize``'s step for the layout's ``"tensor"`` dimension: split the layers ``plan`` names (the
+    models' own plans when ``None``) over it. Nothing without a tensor dimension. ``quantizes``: weights are loaded
+    with ``quantize="nf4"`` (refused: NF4 quantizes the FSDP shards of whole weights, and the plan splits them
+    first).
 
     Every rank built the same model, so every check raises on every rank alike, before anything is allocated.
     Afterwards the ranks of a tensor group draw the same random numbers (dropout on the activations they share must
     drop the same elements)."""
+    mesh = layout.tensor_mesh(mesh)  # type: ignore[assignment]
     if mesh is None:
         return
+    if quantizes:
+        raise ValueError(
+            "load_pretrained(..., quantize='nf4') (QLoRA) does not run with tensor parallelism: NF4 quantizes the FSDP"
+            " shards of whole weights, and the plan splits them first. Drop tensor_parallel_size (QLoRA already"
+            " keeps the base at 4 bits per weight), or load the base unquantized."
+        )
     tied = _tied_parameters(module)
     if callable(plan):
         plan(module, mesh)
@@ -179,12 +222,28 @@ def _user_steps(module: nn.Module, plan: Mapping[str, Any]) -> list[_Step]:
         steps.append(_Step(module, name, style, params))
     unused = [k for k in plan if k not in used]
     if unused:
+        near = {k: _names_ending_like(module, k) for k in unused}
+        hints = "; ".join(f"for {k!r}: {', '.join(repr(n) for n in names)}" for k, names in near.items() if names)
         raise ValueError(
-            f"FSDP2Strategy(tensor_parallel_plan=...): {unused} match no module of {_model_names(module)}. Keys are"
-            " module names as `named_modules()` gives them from the module the strategy sets up (the LightningModule,"
-            " e.g. 'model.layers.*.mlp.up_proj'; Fabric: the module given to setup_module), `*` for one name part."
+            f"FSDP2Strategy(tensor_parallel_plan=...): {unused} match no module of the {type(module).__name__} the"
+            " strategy sets up. Keys are module names as its `named_modules()` gives them (the LightningModule's, or"
+            " for Fabric the module given to setup_module; a peft model adds `base_model.model.`), `*` for one name"
+            " part. " + (f"Its modules that end like them: {hints}." if hints else
+                         "None of its modules ends like them either: print(dict(module.named_modules()).keys()).")
         )
     return steps
+
+
+def _names_ending_like(module: nn.Module, key: str, limit: int = 3) -> list[str]:
+    """``module``'s module names (layer numbers as ``*``) that end like ``key``: its longest tail that matches any."""
+    names = sorted({re.sub(r"(?<=\.)\d+(?=\.|$)", "*", n) for n, _ in module.named_modules() if n})
+    parts = key.split(".")
+    for keep in range(len(parts), 0, -1):
+        tail = re.escape(".".join(parts[-keep:])).replace(r"\*", r"[^.]+")
+        found = [n for n in names if re.fullmatch(rf"(?:.*\.)?{tail}", n)]
+        if found:
+            return found[:limit]
+    return []
 
 
 def _model_steps(module: nn.Module) -> list[_Step]:
@@ -334,10 +393,10 @@ def splits_on(tensor: Tensor, mesh: DeviceMesh) -> bool:
 
 @torch.no_grad()
 def broadcast_replicas(module: nn.Module, names: Iterable[str], mesh: DeviceMesh | None) -> None:
-    """Make the tensors ``names`` that the tensor dimension does not split the same on every rank of a tensor group
-    (tensor rank 0's values): each rank drew its own random values for them, and a replicated weight that differs
-    between the ranks computing one batch would give each rank another model. One tensor at a time, in name order
-    (the same on every rank)."""
+    """Make the tensors ``names`` that ``mesh`` does not split the same on all of its ranks (its rank 0's values):
+    ``mesh`` is the layout's ranks that compute one batch together (a tensor group). Each rank drew its own random
+    values for them, and a replicated weight that differs between the ranks computing one batch would give each rank
+    another model. One tensor at a time, in name order (the same on every rank)."""
     if mesh is None:
         return
     from torch.distributed.tensor import DTensor
