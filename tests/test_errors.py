@@ -18,7 +18,7 @@ from tests.models import build_llama, tiny_llama_config
 def test_strategy_and_plugin_arguments_are_checked_when_constructed() -> None:
     with pytest.raises(ValueError, match="start_method must be 'popen', 'spawn', 'fork' or 'forkserver', got 'thread'"):
         FSDP2Strategy(start_method="thread")
-    with pytest.raises(ValueError, match="state_dict_type must be 'full' or 'sharded', got 'gathered'"):
+    with pytest.raises(ValueError, match=r"FSDP2Strategy\(state_dict_type='gathered'\): 'full' \(one file, written by rank 0\) or 'sharded'"):
         FSDP2Strategy(state_dict_type="gathered")
     with pytest.raises(ValueError, match="writes sharded checkpoints in the background"):
         FSDP2Strategy(async_save=True, state_dict_type="full")

@@ -274,10 +274,12 @@ def test_shard_groups_that_straddle_nodes_and_malformed_meshes_are_refused() -> 
         check((2, 3), 6, devices_per_node=2)
     check((3, 2), 6, devices_per_node=2)  # one shard group per node
     check((1, 4), 4, devices_per_node=2)  # one shard group of two whole nodes
-    for bad, kind in (((2,), ValueError), ((2, 0), ValueError), ((2.0, 2), TypeError), ("2x2", TypeError),
-                      ((True, 2), TypeError)):  # a tuple of ints that cannot be: a bad value; anything else: a type
+    for bad, kind in (((2,), ValueError), ((2, 0), ValueError), ((2.0, 2), TypeError), ((True, 2), TypeError)):
+        # a tuple of ints that cannot be: a bad value; anything else: another type
         with pytest.raises(kind, match=r"pass a tuple \(replicate, shard\) of two positive ints"):
             StrategyOptions.from_arguments(device_mesh=bad)
+    with pytest.raises(ValueError, match="the one string it takes is 'auto'"):
+        StrategyOptions.from_arguments(device_mesh="2x2")
     with pytest.raises(ValueError, match=r"2 ranks have none \(no divisor of 2 other than 1 and itself\)"):
         check((2, 2), 4, devices_per_node=2, reshard=2)
     with pytest.raises(ValueError, match=r"a divisor of 4 other than 1 and 4"):

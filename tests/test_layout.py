@@ -49,8 +49,9 @@ def test_the_sizes_by_name_lay_out_the_processes_as_the_positional_forms() -> No
         resolve({"tensor": 2}, tensor=4)
     with pytest.raises(ValueError, match="do not split into 3"):
         resolve({"replicate": 3})
-    with pytest.raises(ValueError, match=r"3 = 3, but there are 8 processes"):
-        resolve({"shard": 3})
+    with pytest.raises(ValueError, match=r"device_mesh=\{'shard': 3\}\): 1 x 3 = 3, but there are 8 processes"):
+        resolve({"shard": 3})  # named in the form given
+    assert resolve({"replicate": 1}) == resolve(None)  # a dimension of one rank is none
 
 
 def test_ranks_that_differ_only_off_the_data_parallel_dimensions_read_the_same_batch() -> None:
@@ -161,3 +162,42 @@ def test_each_option_reaches_its_technique() -> None:
                 o.tensor_parallel.plan) == tuple(given.values())
     with pytest.raises(TypeError, match="unexpected option"):
         StrategyOptions.from_arguments(start_method="spawn")
+
+
+AUTO = {"device_mesh": "auto"}
+
+
+@pytest.mark.parametrize(("kwargs", "kind"), [
+    # another type than the option takes: TypeError
+    ({"device_mesh": 2.0}, TypeError), ({"device_mesh": [2.0, 2]}, TypeError), ({"device_mesh": {"shard": "2"}}, TypeError),
+    ({**AUTO, "memory_budget": 1.5e9}, TypeError), ({**AUTO, "batch_shape": "4x16"}, TypeError),
+    ({**AUTO, "batch_shape": (4, "16")}, TypeError), ({"tensor_parallel_size": "2"}, TypeError),
+    ({"tensor_parallel_plan": ["up"]}, TypeError), ({"reshard_after_forward": "yes"}, TypeError),
+    ({"cpu_offload": "yes"}, TypeError), ({"mixed_precision": "bf16"}, TypeError),
+    ({"activation_checkpointing_every": "2"}, TypeError), ({"forward_prefetch": "1"}, TypeError),
+    ({"reshard_last_block": "no"}, TypeError), ({"offload_activations": 1}, TypeError), ({"compile": "yes"}, TypeError),
+    ({"unmatched_forward_timeout": "5"}, TypeError), ({"peer_timeout": "5"}, TypeError), ({"meta_init": "no"}, TypeError),
+    ({"process_group_backend": 3}, TypeError), ({"timeout": 5}, TypeError), ({"state_dict_type": 1}, TypeError),
+    ({"save_trainable_only": 1}, TypeError), ({"state_dict_type": "sharded", "async_save": 1}, TypeError),
+    ({"verify_checkpoints": "yes"}, TypeError),
+    # the type it takes, a value it cannot be: ValueError
+    ({"device_mesh": (2, 0)}, ValueError), ({"device_mesh": (2,)}, ValueError), ({"device_mesh": "Auto"}, ValueError),
+    ({"device_mesh": {"shard": 0}}, ValueError), ({"device_mesh": {"expert": 2}}, ValueError),
+    ({**AUTO, "memory_budget": "lots"}, ValueError), ({**AUTO, "memory_budget": -1}, ValueError),
+    ({**AUTO, "batch_shape": (4,)}, ValueError), ({**AUTO, "batch_shape": (0, 16)}, ValueError),
+    ({"tensor_parallel_size": 0}, ValueError), ({"tensor_parallel_plan": {}}, ValueError),
+    ({"activation_checkpointing_every": 0}, ValueError), ({"forward_prefetch": -1}, ValueError),
+    ({"unmatched_forward_timeout": -1}, ValueError), ({"peer_timeout": 0}, ValueError),
+    ({"state_dict_type": "shard"}, ValueError),
+], ids=lambda v: repr(v) if not isinstance(v, type) else v.__name__)
+def test_an_argument_of_another_type_raises_type_error_and_a_bad_value_value_error(kwargs: dict, kind: type) -> None:
+    """One rule for every option, on both front-ends, at construction, naming the argument."""
+    from lightning_fsdp2 import FSDP2Strategy
+    from lightning_fsdp2.fabric import FSDP2Strategy as FabricStrategy
+
+    named = [k for k in kwargs if k != "device_mesh" or len(kwargs) == 1][-1]
+    for front_end in (FSDP2Strategy, FabricStrategy):
+        if front_end is FabricStrategy and "async_save" in kwargs:
+            continue  # Fabric has no background saves
+        with pytest.raises(kind, match=named):
+            front_end(**kwargs)

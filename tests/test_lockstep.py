@@ -1,5 +1,6 @@
 """A forward that only rank 0 runs fails within the bound on both ranks, with a message naming the cause
-(``lockstep.py``); forwards every rank runs together are not disturbed."""
+(``forward_guard.py``); forwards every rank runs together are not disturbed. A collective a peer never joins fails
+within ``peer_timeout``, naming where every rank was (``lockstep.py``, ``peer_lost.py``)."""
 
 from __future__ import annotations
 
@@ -94,11 +95,11 @@ def test_forwards_every_rank_runs_pass_the_check() -> None:
     assert torch.equal(ranks[0]["tokens"], ranks[1]["tokens"])
 
 
-@pytest.mark.parametrize("value", [0, -1, "60", True])
-def test_unmatched_forward_timeout_is_checked_at_construction(value: Any) -> None:
+@pytest.mark.parametrize(("value", "kind"), [(0, ValueError), (-1, ValueError), ("60", TypeError), (True, TypeError)])
+def test_unmatched_forward_timeout_is_checked_at_construction(value: Any, kind: type) -> None:
     from lightning_fsdp2 import FSDP2Strategy
 
-    with pytest.raises(ValueError, match="unmatched_forward_timeout"):
+    with pytest.raises(kind, match="unmatched_forward_timeout"):  # a bad value; another type (every option's rule)
         FSDP2Strategy(unmatched_forward_timeout=value)
 
 

@@ -15,7 +15,7 @@ from lightning.pytorch.strategies import StrategyRegistry  # noqa: E402
 from lightning_fsdp2.auto_layout import LayoutChoice, estimate_layouts  # noqa: E402
 from lightning_fsdp2.checkpoint import CheckpointFileError, load_pretrained  # noqa: E402
 from lightning_fsdp2.init import UninitializedError  # noqa: E402
-from lightning_fsdp2.lockstep import PeerLostError  # noqa: E402
+from lightning_fsdp2.peer_lost import PeerLostError  # noqa: E402
 from lightning_fsdp2.precision import FSDP2Precision  # noqa: E402
 from lightning_fsdp2.strategy import FSDP2Strategy  # noqa: E402
 

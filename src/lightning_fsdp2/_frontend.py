@@ -212,7 +212,8 @@ class FrontEndCore:
             options = self._options.layout
             self._auto_layout = AutoLayout(self.world_size, self.num_processes,  # type: ignore[attr-defined]
                                            agreed_budget(options.memory_budget, device, self.num_processes),
-                                           options.batch_shape, device.type)
+                                           options.batch_shape, device.type,
+                                           budget_given=options.memory_budget is not None)
         self._peer_watch.start(lambda: self._device_mesh.get_all_groups() if self._device_mesh is not None else [])
 
     # ---------------------------------------------------------------- the model

@@ -156,6 +156,7 @@ class LayoutChoice:
     budget: int | None
     chosen: Estimate | None
     activations_note: str
+    budget_given: bool = True  # memory_budget; else the device's free memory when the run started
 
     @property
     def layout(self) -> Layout:
@@ -181,7 +182,8 @@ class LayoutChoice:
         """What the strategy prints once on rank 0."""
         chosen = self.chosen.describe() if self.chosen is not None else "none"
         return (f"FSDP2Strategy(device_mesh='auto') chose {chosen}: estimated memory per rank against"
-                f" {_budget_words(self.budget)}; activations: {self.activations_note}.\n{self.table()}")
+                f" {_budget_words(self.budget, self.budget_given)}; activations: {self.activations_note}.\n"
+                f"{self.table()}")
 
 
 def layout_of(estimate: Estimate) -> Layout:
@@ -452,6 +454,7 @@ def choose(
     optimizer_states: int = ADAM_STATES,
     device_type: str = "cuda",
     frozen_plain: bool = False,
+    budget_given: bool = True,
 ) -> LayoutChoice:
     """The first of :func:`candidates` whose :func:`estimate` fits ``budget`` (bytes per rank, :meth:`Estimate.fits`);
     a ``ValueError`` saying what to change when none does. ``frozen_plain``: whole replicas may leave the frozen
@@ -464,17 +467,16 @@ def choose(
     if chosen is None:
         smallest = min(estimates, key=lambda e: e.total)
         parts = {"parameters": smallest.parameters, "gradients": smallest.gradients,
-                 "optimizer state (Adam's two moments assumed)": smallest.optimizer,
-                 "gathered parameters": smallest.gathered, f"activations ({note})": smallest.activations,
-                 "the allocator's share": smallest.allocator}
+                 "optimizer state": smallest.optimizer, "gathered parameters": smallest.gathered,
+                 "activations": smallest.activations, "the allocator's share": smallest.allocator}
         breakdown = ", ".join(f"{what} {_size(n)}" for what, n in sorted(parts.items(), key=lambda kv: -kv[1]) if n)
         raise ValueError(
-            f"FSDP2Strategy(device_mesh='auto'): no layout fits {_budget_words(budget)}. The smallest,"
-            f" {smallest.describe()}, needs about {_size(smallest.total)}: {breakdown}. To fit: "
-            + "; ".join(_what_would_fit(smallest, model)) + ".\n"
+            f"FSDP2Strategy(device_mesh='auto'): no layout fits {_budget_words(budget, budget_given)}. The smallest,"
+            f" {smallest.describe()}, needs about {_size(smallest.total)}: {breakdown} (Adam's two moments assumed;"
+            f" activations: {note}). To fit: " + "; ".join(_what_would_fit(smallest, model)) + ".\n"
             + LayoutChoice(estimates, budget, None, note).table()
         )
-    return LayoutChoice(estimates, budget, chosen, note)
+    return LayoutChoice(estimates, budget, chosen, note, budget_given)
 
 
 @dataclass(frozen=True)
@@ -487,6 +489,7 @@ class AutoLayout:
     budget: int
     batch_shape: BatchShape | None = None
     device_type: str = "cuda"
+    budget_given: bool = True  # memory_budget; else the device's free memory when the run started
 
 
 def choose_layout(
@@ -508,7 +511,7 @@ def choose_layout(
     it where nothing needs FSDP2 to manage them: no mixed-precision cast, no NF4)."""
     size = _measure(module, auto_wrap_policy, module_is_root, gathered_dtype, checkpointing, nf4, request.batch_shape)
     return choose(size, request.world_size, request.devices_per_node, request.budget,
-                  device_type=request.device_type, frozen_plain=frozen_plain)
+                  device_type=request.device_type, frozen_plain=frozen_plain, budget_given=request.budget_given)
 
 
 def estimate_layouts(
@@ -629,7 +632,8 @@ def _what_would_fit(estimate: Estimate, model: ModelSize) -> list[str]:
     tensors = [t for g in model.groups for t in g.tensors]
     wide = sum(t.numel for t in tensors if t.stored >= 4) > 0.5 * max(model.parameters, 1)  # mostly 32-bit (not
     # the fp32 adapters "bf16-true" keeps on a 16-bit base)
-    frozen_wide = any(not t.trainable and t.stored >= 2 for t in tensors)  # a frozen base not in NF4
+    quantized = any(t.stored < 1 for t in tensors)  # NF4 already (it leaves embeddings, norms and the head whole)
+    frozen_wide = not quantized and any(not t.trainable and t.stored >= 2 for t in tensors)
     many_trained = model.trainable > 0.1 * max(model.parameters, 1)
     bits = "store the weights in 16 bits (precision='bf16-true')"
     remedies = {
@@ -637,7 +641,11 @@ def _what_would_fit(estimate: Estimate, model: ModelSize) -> list[str]:
         "gradients": [("train fewer parameters (LoRA)", many_trained), (bits, wide)],
         "optimizer": [("train fewer parameters (LoRA)", many_trained)],
         "gathered": [(bits, wide)],
-        "activations": [("recompute activations (activation_checkpointing_policy)", not model.checkpointed),
+        # Without batch_shape the activations are a fixed share of the budget: only an estimate can change them.
+        "activations": [("give batch_shape= for an estimate of the activations instead of that share",
+                         model.activations is None),
+                        ("recompute activations (activation_checkpointing_policy)",
+                         model.activations is not None and not model.checkpointed),
                         ("use smaller micro-batches", model.activations is not None)],
     }
     sizes = {"parameters": estimate.parameters, "gradients": estimate.gradients, "optimizer": estimate.optimizer,
@@ -648,19 +656,31 @@ def _what_would_fit(estimate: Estimate, model: ModelSize) -> list[str]:
     return advice + ["run more processes", "or give memory_budget= if the budget itself is wrong"]
 
 
-def _budget_words(budget: int | None) -> str:
-    """Which figure is the budget, and how much of it an estimate may use."""
+def _budget_words(budget: int | None, given: bool = True) -> str:
+    """Which figure is the budget, where it came from, and how much of it an estimate may use."""
     if budget is None:
         return "no budget"
-    return (f"the budget of {_size(budget)} per rank (memory_budget, or the memory free when the run started), of"
-            f" which an estimate may use {FITS_IN:.0%}: {_size(int(FITS_IN * budget))}")
+    source = "memory_budget" if given else "the device's free memory when the run started, the smallest over the ranks"
+    return (f"the budget of {_size(budget)} per rank ({source}), of which an estimate may use {FITS_IN:.0%}:"
+            f" {_size(int(FITS_IN * budget))}")
+
+
+_UNITS_DOWN = (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10), ("B", 1))
 
 
 def _size(n: int | None) -> str:
-    """Bytes in the unit that suits them: ``"512 B"``, ``"12.3 KiB"``, ``"1.5 GiB"``."""
+    """Bytes in the unit that suits them, three significant digits: ``"512 B"``, ``"12.3 KiB"``, ``"1.5 GiB"`` (a
+    figure that rounds up to 1024 of a unit is written in the next one)."""
     if n is None:
         return "-"
-    for unit, scale in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
-        if abs(n) >= scale:
-            return f"{n / scale:.3g} {unit}" if n < 100 * scale else f"{n / scale:.0f} {unit}"
-    return f"{n} B"
+
+    def digits(value: float) -> str:
+        return f"{value:.3g}" if value < 100 else f"{value:.0f}"
+
+    for i, (unit, scale) in enumerate(_UNITS_DOWN):
+        if abs(n) >= scale or unit == "B":
+            text = digits(n / scale)
+            if i and float(text) >= 1024:
+                unit, text = _UNITS_DOWN[i - 1][0], digits(n / _UNITS_DOWN[i - 1][1])
+            return f"{text} {unit}"
+    raise AssertionError("unreachable")

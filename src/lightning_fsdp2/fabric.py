@@ -438,3 +438,9 @@ class _NoGradientSync(_BackwardSyncControl):
 
     def no_backward_sync(self, module: nn.Module, enabled: bool) -> AbstractContextManager:
         return no_gradient_sync(module, enabled)
+
+
+# Each option described once, where it is declared (options.py); the docstring shows them all (Fabric has no
+# background saves).
+FSDP2Strategy.__doc__ = (FSDP2Strategy.__doc__ or "").rstrip() + "\n" + StrategyOptions.args_section(
+    leave_out=("async_save",))

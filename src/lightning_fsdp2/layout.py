@@ -63,6 +63,11 @@ def check_mesh_option(device_mesh: Any) -> MeshOption:
     construction)."""
     if device_mesh is None or isinstance(device_mesh, DeviceMesh):
         return device_mesh
+    if isinstance(device_mesh, str):
+        raise ValueError(
+            f"FSDP2Strategy(device_mesh={device_mesh!r}): the one string it takes is 'auto' (the layout chosen from"
+            " the memory the run needs); or pass a tuple, the sizes by name, a DeviceMesh, or None."
+        )
     if isinstance(device_mesh, Mapping):
         known = [d.name for d in DIMENSIONS]
         unknown = [k for k in device_mesh if k not in known]
@@ -120,7 +125,10 @@ class Layout:
         """The layout ``FSDP2Strategy(device_mesh=option, tensor_parallel_size=...)`` asks for on ``world_size``
         processes, ``devices_per_node`` of them per node; a ``ValueError`` that says what to change if it cannot
         work. Pure: the same on every rank, so every rank raises together, before any collective."""
+        shown = None  # the user's own form, for the messages
         if isinstance(option, Mapping):
+            shown = f"device_mesh={dict(option)}" + (
+                f", tensor_parallel_size={tensor_parallel_size}" if tensor_parallel_size > 1 else "")
             option, tensor_parallel_size = _positional(option, world_size, tensor_parallel_size)
         if isinstance(option, DeviceMesh):
             layout = cls._from_mesh(option, world_size, device_type)
@@ -151,18 +159,19 @@ class Layout:
             replicate, shard = 1, world_size // tensor
         else:
             replicate, shard = option[0], option[1]
-        cls._check_fits(option, replicate, shard, tensor, world_size, devices_per_node)
+        cls._check_fits(option, replicate, shard, tensor, world_size, devices_per_node, shown)
         names = ((REPLICATE,) if option is not None else ()) + (SHARD,) + ((TENSOR,) if tensor > 1 else ())
         sizes = ((replicate,) if option is not None else ()) + (shard,) + ((tensor,) if tensor > 1 else ())
         return cls(names, sizes)
 
     @staticmethod
     def _check_fits(
-        option: MeshOption, replicate: int, shard: int, tensor: int, world_size: int, devices_per_node: int
+        option: MeshOption, replicate: int, shard: int, tensor: int, world_size: int, devices_per_node: int,
+        shown: str | None = None,
     ) -> None:
-        shown = ", ".join(([f"device_mesh={option}"] if option is not None else [])
-                          + ([f"tensor_parallel_size={tensor}"] if tensor > 1 and (option is None or len(option) == 2)
-                             else []))
+        shown = shown or ", ".join(
+            ([f"device_mesh={option}"] if option is not None else [])
+            + ([f"tensor_parallel_size={tensor}"] if tensor > 1 and (option is None or len(option) == 2) else []))
         if replicate * shard * tensor != world_size:
             product = f"{replicate} x {shard}" + (f" x {tensor}" if tensor > 1 else "")
             raise ValueError(
@@ -374,7 +383,7 @@ def _positional(sizes: Mapping[str, int], world_size: int, tensor_parallel_size:
                 f" product is {world_size}."
             )
         shard = world_size // (replicate * tensor)
-    if REPLICATE not in sizes and shard * tensor == world_size:
+    if replicate == 1 and shard * tensor == world_size:  # {"replicate": 1} is {} (a dimension of one rank is none)
         return None, tensor
     return (replicate, shard) + ((tensor,) if tensor > 1 else ()), 1  # its product checked as the tuple's
 

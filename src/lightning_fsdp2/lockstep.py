@@ -1,17 +1,10 @@
-"""A forward of the sharded model that only some ranks run fails within a bound, naming the cause, instead of hanging.
+"""Where each rank is, so that a collective that fails for want of a peer names the cause: :class:`PeerWatch`.
 
-Every forward of a sharded model all-gathers each group's parameters, a collective all ranks must join. Code written
-for one device often runs a forward on rank 0 alone: "sample some text at each evaluation" (LitGPT's
-``if fabric.global_rank == 0: generate_example(...)``), a callback that logs a prediction. Rank 0 then waits in an
-all-gather the others never join, silently, until the process group's timeout (30 minutes by default), or worse, its
-all-gathers pair up with those of the next training step on the other ranks.
-
-Training forwards are run by every rank in the step, and pay nothing here: the check is one check of
-``module.training`` and grad mode. Any other forward of an FSDP root (evaluation, a forward under
-``torch.no_grad()``), and each call of a root's ``generate``, first meets the other ranks in a barrier of its own gloo
-group, whose timeout is the bound. A
-rank that arrives alone raises after the bound with the message below, before it has entered any collective of the
-model; the ranks that did not come are then told by the launcher (or gloo) that a peer failed.
+Each rank counts the strategy's phases (``training_step``, ``backward``, a save...) it enters and publishes where it is
+in the process group's store, from a thread, once a second. From the second training step on the process groups'
+timeout is lowered to ``peer_timeout``; a collective that then fails raises :class:`~.peer_lost.PeerLostError` with
+this rank's phase, every other rank's last published one, and which case they point to (a rank behind, stuck in its
+own code; a rank that moved on without this step's collectives; a rank that failed first).
 """
 
 from __future__ import annotations
@@ -26,68 +19,9 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
-import torch
 import torch.distributed as dist
-from torch import nn
 
-
-def guard_forwards(roots: Sequence[nn.Module], timeout: float | None) -> None:
-    """Before each forward of ``roots`` outside training, wait for every rank to reach the same point, at most
-    ``timeout`` seconds, then raise on the ranks that waited. Call on every rank (it makes a process group);
-    ``timeout=None`` turns the check off."""
-    if timeout is None or not dist.is_initialized() or dist.get_world_size() == 1:
-        return
-    bound = timedelta(seconds=timeout)
-    # A group of its own: its timeout is the bound (the model's group keeps the user's), and gloo runs the barrier
-    # whatever the model's backend, on CPU, off the device's stream.
-    group = dist.new_group(backend="gloo", timeout=bound)
-
-    # Kept out of a whole-model torch.compile (a collective with a timeout), and out of the training path: the
-    # wrapper torch.compiler.disable adds is paid only by forwards that wait.
-    barrier = torch.compiler.disable(dist.monitored_barrier)
-
-    def check(module: nn.Module, args: Any, always: bool = False) -> None:
-        if not always and module.training and torch.is_grad_enabled():
-            return
-        try:
-            barrier(group=group, timeout=bound, wait_all_ranks=True)
-        except RuntimeError as err:
-            # A PeerLostError (a RuntimeError): the peer-watch phase around a Fabric forward passes it on as it is.
-            raise PeerLostError(
-                f"Rank {dist.get_rank()} ran a forward of the sharded {type(module).__name__} outside training that"
-                f" not every rank ran within {timeout:g} s (FSDP2Strategy(unmatched_forward_timeout=...)), or that"
-                " another rank reached more than that later (rank-0-only work just before it: then raise the bound). Each"
-                " forward of a sharded model all-gathers its parameters from every rank, so every rank must run it:"
-                " sample (or evaluate, or `generate`) on all ranks and print or log on rank 0 only, e.g."
-                " `out = generate(model, ...)` then `if fabric.global_rank == 0: print(out)`. Torch reported:"
-                f" {str(err).strip()[:300]}"
-            ) from None
-
-    for root in roots:
-        # Prepended after fully_shard's own pre-forward hook, so that it runs first: the barrier comes before the
-        # first all-gather.
-        root.register_forward_pre_hook(check, prepend=True)
-        # `generate` is an FSDP forward method (register_fsdp_forward_method put a wrapper on the instance that
-        # all-gathers the root before HF's loop calls the forward): the check must come before that wrapper. The
-        # one attribute of a user module we replace, with a function that calls FSDP2's wrapper.
-        fsdp_generate = root.__dict__.get("generate")
-        if fsdp_generate is not None:
-            root.generate = _checked(fsdp_generate, check, root)
-
-
-def _checked(method: Any, check: Any, root: nn.Module) -> Any:
-    def generate(*args: Any, **kwargs: Any) -> Any:
-        check(root, args, always=True)  # generation is never a training forward (HF runs it under no_grad)
-        return method(*args, **kwargs)
-
-    return generate
-
-
-# ------------------------------------------------------------------------------------------ peers that moved on
-class PeerLostError(RuntimeError):
-    """A collective failed (timed out, or a peer's connection closed) because another rank did not take part:
-    the message names each rank's last phase; or a forward outside training that not every rank ran (its message
-    says so)."""
+from lightning_fsdp2.peer_lost import peer_lost, torch_said
 
 
 _SAVING = ("lightning_module_state_dict", "optimizer_state", "save_checkpoint")
@@ -214,7 +148,7 @@ class PeerWatch:
         self._saving += method in _SAVING
         went_on = False
         try:
-            with _peer_lost(self.report):
+            with peer_lost(self.report):
                 yield
             went_on = True
         finally:
@@ -259,7 +193,7 @@ class PeerWatch:
         return (
             f"Rank {rank} waited in a collective ({mine}), and it failed {waited:.0f} s after that phase began{bound}"
             f" (time in this rank's own code included): another rank did not take part. Last seen: {'; '.join(seen) or 'no other rank published its state'}. {hint} Torch"
-            f" reported: {_torch_said(err)}"
+            f" reported: {torch_said(err)}"
         )
 
     def _hint(self, theirs: list[dict], unreadable: bool) -> str:
@@ -377,15 +311,6 @@ def _position(state: dict[str, Any]) -> int:
     return 2 * state["seq"] - (state["method"] is not None)
 
 
-def _collective_failure(err: BaseException) -> bool:
-    """Whether ``err`` is a collective that failed for want of a peer: torch's distributed errors, and gloo's and
-    NCCL's timeouts and closed connections (plain ``RuntimeError`` on gloo)."""
-    if isinstance(err, dist.DistError):
-        return True
-    text = str(err)
-    return isinstance(err, RuntimeError) and any(
-        word in text for word in ("Timed out", "Connection closed", "Connection reset", "gloo", "NCCL", "timeout"))
-
 
 def watched(method: Callable[..., Any]) -> Callable[..., Any]:
     """A strategy method run as a :meth:`PeerWatch.phase` of its own name (the strategy's ``_peer_watch``)."""
@@ -396,44 +321,3 @@ def watched(method: Callable[..., Any]) -> Callable[..., Any]:
             return method(self, *args, **kwargs)
 
     return run
-
-
-@contextmanager
-def _peer_lost(message: Callable[[BaseException], str]) -> Iterator[None]:
-    """A collective that fails in the block (for want of a peer) raises :class:`PeerLostError` with
-    ``message(error)``; other errors pass."""
-    try:
-        yield
-    except PeerLostError:
-        raise
-    except Exception as err:
-        if not _collective_failure(err):
-            raise
-        raise PeerLostError(message(err)) from err
-
-
-def _torch_said(err: BaseException) -> str:
-    return str(err).strip().splitlines()[0][:300] if str(err).strip() else type(err).__name__
-
-
-def every_rank_calls(what: str) -> Any:
-    """For functions outside the strategy that gather from every rank (``lora.save_adapter``): a collective that
-    fails in the block raises :class:`PeerLostError` saying that every rank must call ``what``."""
-    return _peer_lost(lambda err: (
-        f"{what} failed in a collective on rank {dist.get_rank()}: another rank did not take part. Every rank must call"
-        f" {what}: each holds a share of the tensors (rank 0 alone writes the files). Torch reported: {_torch_said(err)}"
-    ))
-
-
-def called_by_every_rank(what: str) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
-    """Decorate a function that gathers from every rank with :func:`every_rank_calls`."""
-
-    def decorate(fn: Callable[..., Any]) -> Callable[..., Any]:
-        @functools.wraps(fn)
-        def run(*args: Any, **kwargs: Any) -> Any:
-            with every_rank_calls(what):
-                return fn(*args, **kwargs)
-
-        return run
-
-    return decorate

@@ -40,7 +40,7 @@ from lightning_fsdp2.checkpoint.plan import tied_aliases
 from lightning_fsdp2.checkpoint.pretrained import declare_load
 from lightning_fsdp2.checkpoint.shards import gather_to_rank0
 from lightning_fsdp2.checkpoint.sources import PretrainedSource
-from lightning_fsdp2.lockstep import called_by_every_rank
+from lightning_fsdp2.peer_lost import called_by_every_rank
 from lightning_fsdp2.quantize import Dequantizing
 from lightning_fsdp2.peft_support import peft_state_dict
 

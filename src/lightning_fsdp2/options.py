@@ -11,10 +11,11 @@ front-ends' arguments.
 from __future__ import annotations
 
 import inspect
+import textwrap
 from collections.abc import Mapping
 from dataclasses import dataclass
 from datetime import timedelta
-from typing import Any, Literal
+from typing import Any, ClassVar, Literal
 
 import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -35,6 +36,41 @@ class LayoutOptions:
     """How the processes are arranged (``device_mesh``, ``tensor_parallel_size``); resolved into a
     :class:`~lightning_fsdp2.layout.Layout` once the world size is known, or, with ``device_mesh="auto"``, chosen
     once the model exists from the memory it needs (``memory_budget``, ``batch_shape``: ``auto_layout.py``)."""
+
+    ARGUMENTS: ClassVar[Mapping[str, str]] = {  # the front-ends' keywords, as their docs describe them
+        "device_mesh": (
+            "``None`` (default) shards every parameter over all processes. ``(replicate, shard)``: HSDP, each "
+            "parameter sharded over groups of ``shard`` consecutive ranks (the devices of one node) and replicated "
+            "over ``replicate`` such groups, so only the gradient all-reduce crosses between groups; ``replicate x "
+            "shard`` (x ``tensor_parallel_size``) must be the number of processes and ``shard`` divide the devices "
+            "per node (or be a multiple of them). ``(replicate, shard, tensor)``: tensor parallelism over groups of "
+            "``tensor`` adjacent ranks as well. The sizes by name, ``{\"replicate\": 2, \"shard\": 4, \"tensor\": 2}``, say "
+            "the same (a dimension left out has one rank; ``\"shard\"`` left out, the processes the others leave). A "
+            "ready ``DeviceMesh`` (1-D, 2-D as ``(replicate, shard)`` or 3-D as ``(replicate, shard, tensor)``, over "
+            "every rank in order, as ``init_device_mesh`` makes it) is used as it is; it needs a process group "
+            "started by the launcher. ``\"auto\"``: chosen once the model exists on ``meta``, before anything is "
+            "allocated, from the memory each rank would need (parameters, gradients, Adam's state, gathered "
+            "parameters, activations) against ``memory_budget``: the fastest that fits, from a shard group of one "
+            "rank (every rank a whole replica, DDP's traffic) through HSDP to full sharding, and "
+            "``reshard_after_forward`` with it; printed on rank 0 and kept in ``strategy.layout_choice``."
+        ),
+        "tensor_parallel_size": (
+            "split the layers of the tensor-parallel plan over groups of this many adjacent ranks (inside a node; it "
+            "must divide the devices per node), and shard with FSDP2 over the rest (1, default: no tensor "
+            "parallelism). The ranks of a group compute one batch together: ``distributed_sampler_kwargs`` count "
+            "data-parallel ranks only."
+        ),
+        "memory_budget": (
+            "with ``device_mesh=\"auto\"``, the bytes each rank may use (an int, or ``\"20GiB\"``/``\"80GB\"``); default: "
+            "the device's free memory (on CPU, the available memory divided among the node's processes), the smallest "
+            "over the ranks."
+        ),
+        "batch_shape": (
+            "with ``device_mesh=\"auto\"``, ``(sequences, tokens)`` of one rank's micro-batch: the activations are "
+            "estimated from one forward of the model on ``meta`` (Hugging Face causal LMs). Without it, a quarter of "
+            "the budget is held back for them."
+        ),
+    }
 
     device_mesh: MeshOption | Literal["auto"] = None
     tensor_parallel_size: int = 1
@@ -58,7 +94,8 @@ class LayoutOptions:
             isinstance(batch_shape, (tuple, list)) and len(batch_shape) == 2
             and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in batch_shape)
         ):
-            raise (ValueError if isinstance(batch_shape, (tuple, list)) else TypeError)(
+            of_ints = isinstance(batch_shape, (tuple, list)) and all(_int_at_least(n, -2**63) for n in batch_shape)
+            raise (ValueError if of_ints else TypeError)(
                 f"FSDP2Strategy(batch_shape={batch_shape!r}): (sequences, tokens) of one rank's micro-batch, two"
                 " positive ints, which device_mesh='auto' estimates the activations for."
             )
@@ -91,6 +128,16 @@ class LayoutOptions:
 class TensorParallelOptions:
     """Which layers tensor parallelism splits, and how (``tensor_parallel_plan``; ``None``: the model's own plan)."""
 
+    ARGUMENTS: ClassVar[Mapping[str, str]] = {  # the front-ends' keywords, as their docs describe them
+        "tensor_parallel_plan": (
+            "which layers tensor parallelism splits: ``None`` (default) uses a Hugging Face model's own plan "
+            "(``base_model_tp_plan``) with transformers' styles; a dict of module-name patterns (``*`` for one name "
+            "part, names as ``named_modules()`` of the LightningModule) to transformers' style names (``\"colwise\"``, "
+            "``\"rowwise\"``, ``\"embedding_rowwise\"``...) or torch ``ParallelStyle`` objects; or a callable ``(model, "
+            "tensor_mesh)`` that parallelizes the model itself. LoRA adapters on split layers are split as peft does."
+        ),
+    }
+
     plan: TensorParallelPlan = None
 
     @classmethod
@@ -102,6 +149,26 @@ class TensorParallelOptions:
 class ShardOptions:
     """What ``fully_shard`` is given: the groups, a precision policy overriding the plugin's, resharding after
     forward, and where the sharded parameters live (``cpu_offload``)."""
+
+    ARGUMENTS: ClassVar[Mapping[str, str]] = {  # the front-ends' keywords, as their docs describe them
+        "auto_wrap_policy": (
+            "which modules become their own FSDP group (all-gathered and freed together): a set of module classes or "
+            "a callable ``(name, module) -> bool``. Default: a Hugging Face model's ``_no_split_modules``, else "
+            "``nn.TransformerEncoderLayer``/``nn.TransformerDecoderLayer``, else the repeated children of an "
+            "``nn.ModuleList``. The root is always a group too."
+        ),
+        "mixed_precision": (
+            "an FSDP2 ``MixedPrecisionPolicy`` that overrides the one derived from ``Trainer(precision=...)``."
+        ),
+        "reshard_after_forward": (
+            "``True`` frees gathered parameters after forward (least memory), ``False`` keeps them to backward (least "
+            "communication), an ``int`` reshards to groups of that many ranks."
+        ),
+        "cpu_offload": (
+            "keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only); ``True`` or a "
+            "``CPUOffloadPolicy``."
+        ),
+    }
 
     auto_wrap_policy: ModulePolicy | None = None
     mixed_precision: MixedPrecisionPolicy | None = None
@@ -118,6 +185,11 @@ class ShardOptions:
         cpu_offload: bool | OffloadPolicy = False,
     ) -> ShardOptions:
         """``cpu_offload=True`` is FSDP2's ``CPUOffloadPolicy()``."""
+        _check_type("mixed_precision", mixed_precision, (MixedPrecisionPolicy, type(None)),
+                    "a torch.distributed.fsdp.MixedPrecisionPolicy, or None for the one Trainer(precision=...) gives.")
+        _check_type("reshard_after_forward", reshard_after_forward, (bool, int),
+                    "True, False, or an int: the ranks to reshard to after forward (a divisor of the shard size).")
+        _check_type("cpu_offload", cpu_offload, (bool, OffloadPolicy), "True, False, or an FSDP2 OffloadPolicy.")
         offload = cpu_offload if isinstance(cpu_offload, OffloadPolicy) else (CPUOffloadPolicy() if cpu_offload else None)
         return cls(auto_wrap_policy, mixed_precision, reshard_after_forward, offload)
 
@@ -150,6 +222,23 @@ class ShardOptions:
 class CheckpointingOptions:
     """Activation checkpointing: which modules, every n-th of them, and which ops' outputs they keep."""
 
+    ARGUMENTS: ClassVar[Mapping[str, str]] = {  # the front-ends' keywords, as their docs describe them
+        "activation_checkpointing_policy": (
+            "modules whose activations are recomputed in backward (same forms as ``auto_wrap_policy``); ``None`` for "
+            "none. Applied before sharding."
+        ),
+        "activation_checkpointing_every": (
+            "checkpoint only every n-th of the modules ``activation_checkpointing_policy`` selects (in model order: "
+            "with 2 the second, fourth...); 1 (default) checkpoints them all."
+        ),
+        "activation_checkpointing_save": (
+            "op-level selective checkpointing: the checkpointed modules keep the outputs of these ops and recompute "
+            "the rest. ``\"matmuls\"`` (matrix multiplications and attention kernels), a collection of ATen operators, "
+            "or a ``torch.utils.checkpoint`` policy function ``(ctx, op, *args, **kwargs) -> CheckpointPolicy``. "
+            "``None`` (default): recompute everything."
+        ),
+    }
+
     policy: ModulePolicy | None = None
     every: int = 1
     save: SavePolicy | None = None
@@ -163,7 +252,7 @@ class CheckpointingOptions:
         activation_checkpointing_save: SavePolicy | None = None,
     ) -> CheckpointingOptions:
         if not _int_at_least(activation_checkpointing_every, 1):
-            raise ValueError(
+            raise _kind(activation_checkpointing_every, int)(
                 f"FSDP2Strategy(activation_checkpointing_every={activation_checkpointing_every!r}): a positive int, n"
                 " to checkpoint every n-th module activation_checkpointing_policy selects (1: all of them)."
             )
@@ -182,6 +271,15 @@ class CheckpointingOptions:
 @dataclass(frozen=True)
 class CompileOptions:
     """``torch.compile`` of each block: its keyword arguments, or ``None`` (not compiled)."""
+
+    ARGUMENTS: ClassVar[Mapping[str, str]] = {  # the front-ends' keywords, as their docs describe them
+        "compile": (
+            "``torch.compile`` each block (the innermost modules ``auto_wrap_policy`` selects) after activation "
+            "checkpointing and before sharding: ``True``, or a dict of ``torch.compile``'s keyword arguments "
+            "(``{\"mode\": \"max-autotune\"}``...). Training forwards run compiled, evaluation eagerly. Parameter names "
+            "and checkpoints are unchanged."
+        ),
+    }
 
     kwargs: Mapping[str, Any] | None = None
 
@@ -203,6 +301,21 @@ class CompileOptions:
 class PrefetchOptions:
     """When the blocks' all-gathers start, and whether the last block reshards after its forward."""
 
+    ARGUMENTS: ClassVar[Mapping[str, str]] = {  # the front-ends' keywords, as their docs describe them
+        "forward_prefetch": (
+            "in forward, each block starts the all-gathers of the next n blocks of its root (0, default: FSDP2's own "
+            "schedule, each block gathered when its forward starts)."
+        ),
+        "backward_prefetch": (
+            "in backward, each block starts the all-gathers of the n blocks before it (1, default: FSDP2's own)."
+        ),
+        "reshard_last_block": (
+            "free the last block's gathered parameters after its forward like the others' (``True``, default), or "
+            "keep them to its backward, which comes first (one all-gather less per step for one block's parameters "
+            "held meanwhile). Only matters when ``reshard_after_forward`` is not ``False``."
+        ),
+    }
+
     forward: int = 0
     backward: int = 1
     reshard_last_block: bool = True
@@ -212,7 +325,8 @@ class PrefetchOptions:
         cls, *, forward_prefetch: int = 0, backward_prefetch: int = 1, reshard_last_block: bool = True
     ) -> PrefetchOptions:
         if not (_int_at_least(forward_prefetch, 0) and _int_at_least(backward_prefetch, 1)):
-            raise ValueError(
+            ints = _kind(forward_prefetch, int) is ValueError and _kind(backward_prefetch, int) is ValueError
+            raise (ValueError if ints else TypeError)(
                 f"FSDP2Strategy(forward_prefetch={forward_prefetch!r}, backward_prefetch={backward_prefetch!r}): how many"
                 " blocks ahead to start all-gathering, an int >= 0 in forward and >= 1 in backward (0 and 1 are FSDP2's"
                 " own schedule)."
@@ -224,6 +338,13 @@ class PrefetchOptions:
 @dataclass(frozen=True)
 class ActivationOffloadOptions:
     """Activations saved for backward kept in pinned CPU memory between forward and backward (CUDA only)."""
+
+    ARGUMENTS: ClassVar[Mapping[str, str]] = {  # the front-ends' keywords, as their docs describe them
+        "offload_activations": (
+            "keep the activations saved for backward (not the weights) in pinned CPU memory between each root's "
+            "training forward and its backward. CUDA only."
+        ),
+    }
 
     enabled: bool = False
 
@@ -245,15 +366,24 @@ class ActivationOffloadOptions:
 class ForwardCheckOptions:
     """Seconds a forward outside training waits for every rank to run it too (``None``: not checked)."""
 
+    ARGUMENTS: ClassVar[Mapping[str, str]] = {  # the front-ends' keywords, as their docs describe them
+        "unmatched_forward_timeout": (
+            "seconds a forward outside training (evaluation, ``generate``, any forward under ``torch.no_grad()`` or "
+            "in ``eval()`` mode) waits for every rank to run it too, then raises naming the cause, instead of hanging "
+            "in its all-gathers until ``timeout`` (a forward on rank 0 alone, e.g. sampling on rank 0 only). Default "
+            "60; ``None`` turns the check off. Training forwards are not checked."
+        ),
+    }
+
     timeout: float | None = 60.0
 
     @classmethod
     def from_arguments(cls, *, unmatched_forward_timeout: float | None = 60.0) -> ForwardCheckOptions:
         timeout = unmatched_forward_timeout
         if timeout is not None and not (
-            isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and timeout > 0
+            isinstance(timeout, (int, float)) and not isinstance(timeout, bool) and 0 < timeout < float("inf")
         ):
-            raise ValueError(
+            raise _kind(timeout, (int, float))(
                 f"FSDP2Strategy(unmatched_forward_timeout={timeout!r}): seconds (> 0) a forward outside"
                 " training waits for every rank to run it too, or None to turn the check off."
             )
@@ -264,6 +394,17 @@ class ForwardCheckOptions:
 class PeerWatchOptions:
     """Seconds a rank waits in a collective for a peer, from the second training step on (``None``: the process
     group's ``timeout`` throughout, and no report of the peers' states)."""
+
+    ARGUMENTS: ClassVar[Mapping[str, str]] = {  # the front-ends' keywords, as their docs describe them
+        "peer_timeout": (
+            "seconds a rank waits in a collective for another rank, from the second training step on (the first may "
+            "compile and warm up for longer), then raises ``PeerLostError`` naming what each rank was last doing (a "
+            "rank that caught an exception and moved on, returned early, or is stuck in its own code; a save called "
+            "on some ranks only), instead of waiting for ``timeout``. Default 300; ``None``: the process group's "
+            "``timeout`` throughout, no report. Each rank publishes its phase to the process group's store once a "
+            "second from a thread; the step itself pays nothing measurable."
+        ),
+    }
 
     timeout: float | None = 300.0
 
@@ -284,16 +425,33 @@ class PeerWatchOptions:
 class InitOptions:
     """Whether the model is built on ``meta`` (each rank then allocates only its shards)."""
 
+    ARGUMENTS: ClassVar[Mapping[str, str]] = {  # the front-ends' keywords, as their docs describe them
+        "meta_init": (
+            "build parameters on ``meta`` in ``configure_model`` (default). ``False`` builds them for real on the CPU "
+            "first and shards them afterwards (every rank then holds the whole model for a moment)."
+        ),
+    }
+
     meta_init: bool = True
 
     @classmethod
     def from_arguments(cls, *, meta_init: bool = True) -> InitOptions:
+        _check_flag("meta_init", meta_init)
         return cls(meta_init)
 
 
 @dataclass(frozen=True)
 class ProcessGroupOptions:
     """The default process group: its backend (``None``: from the device) and its collectives' timeout."""
+
+    ARGUMENTS: ClassVar[Mapping[str, str]] = {  # the front-ends' keywords, as their docs describe them
+        "process_group_backend": (
+            "``\"gloo\"``, ``\"nccl\"``...; default from the device (gloo on CPU, nccl on CUDA)."
+        ),
+        "timeout": (
+            "timeout of collective operations."
+        ),
+    }
 
     backend: str | None = None
     timeout: timedelta | None = default_pg_timeout
@@ -302,6 +460,10 @@ class ProcessGroupOptions:
     def from_arguments(
         cls, *, process_group_backend: str | None = None, timeout: timedelta | None = default_pg_timeout
     ) -> ProcessGroupOptions:
+        _check_type("process_group_backend", process_group_backend, (str, type(None)),
+                    "the name of a torch.distributed backend ('nccl', 'gloo', ...), or None for the device's default.")
+        _check_type("timeout", timeout, (timedelta, type(None)),
+                    "a datetime.timedelta for the process group's collectives, or None for torch's default.")
         return cls(process_group_backend, timeout)
 
 
@@ -309,6 +471,32 @@ class ProcessGroupOptions:
 class SaveOptions:
     """Checkpoints: one file or every rank's shards, trainable parameters only, written in the background; their
     checksums verified before a load."""
+
+    ARGUMENTS: ClassVar[Mapping[str, str]] = {  # the front-ends' keywords, as their docs describe them
+        "state_dict_type": (
+            "how checkpoints are saved. ``\"full\"``: one file written by rank 0, the same a single-device run writes "
+            "(loadable without this library). ``\"sharded\"``: a directory in which every rank writes its own shards "
+            "(``torch.distributed.checkpoint``), much faster and lighter for large models. Both kinds are loaded by "
+            "``fit(ckpt_path=...)`` on any number of processes."
+        ),
+        "save_trainable_only": (
+            "save only parameters with ``requires_grad=True`` (and their optimizer state), e.g. the LoRA adapters of "
+            "a frozen base. On resume the frozen base must come from ``load_pretrained`` again."
+        ),
+        "async_save": (
+            "write sharded checkpoints in the background (``torch.distributed.checkpoint.async_save``): "
+            "``save_checkpoint`` returns once the shards are copied to CPU memory, training goes on while they are "
+            "written, and the directory appears at its path when every rank is done. The next save (and the end of "
+            "``fit``) waits for the previous one; a save after ``fit`` returned is synchronous. Needs "
+            "``state_dict_type=\"sharded\"``."
+        ),
+        "verify_checkpoints": (
+            "before a checkpoint is loaded (``ckpt_path=``), check the CRC-32 of every piece of its data against the "
+            "checksums written with it (the ranks share the reading: one more read of its bytes in all), and raise on "
+            "every rank, naming the file and tensor, if any differs. Default ``True``; ``False`` loads without the "
+            "check. Checkpoints written by others load as before."
+        ),
+    }
 
     state_dict_type: StateDictType = "full"
     save_trainable_only: bool = False
@@ -320,9 +508,14 @@ class SaveOptions:
         cls, *, state_dict_type: StateDictType = "full", save_trainable_only: bool = False, async_save: bool = False,
         verify_checkpoints: bool = True,
     ) -> SaveOptions:
-        _check_flag("verify_checkpoints", verify_checkpoints)
+        for name, flag in (("verify_checkpoints", verify_checkpoints), ("save_trainable_only", save_trainable_only),
+                           ("async_save", async_save)):
+            _check_flag(name, flag)
         if state_dict_type not in ("full", "sharded"):
-            raise ValueError(f"state_dict_type must be 'full' or 'sharded', got {state_dict_type!r}.")
+            raise _kind(state_dict_type, str)(
+                f"FSDP2Strategy(state_dict_type={state_dict_type!r}): 'full' (one file, written by rank 0) or"
+                " 'sharded' (a directory of every rank's shards)."
+            )
         if async_save and state_dict_type != "sharded":
             raise ValueError(
                 "FSDP2Strategy(async_save=True) writes sharded checkpoints in the background; a full checkpoint is"
@@ -368,6 +561,24 @@ class StrategyOptions:
     init: InitOptions = InitOptions()
     process_group: ProcessGroupOptions = ProcessGroupOptions()
     save: SaveOptions = SaveOptions()
+
+    @staticmethod
+    def documented() -> dict[str, str]:
+        """Each option's description (its technique's ``ARGUMENTS``), by technique: what the front-ends' docstrings
+        show."""
+        return {name: text for part in _PARTS.values() for name, text in part.ARGUMENTS.items()}
+
+    @staticmethod
+    def args_section(own: Mapping[str, str] = {}, leave_out: tuple[str, ...] = ()) -> str:  # noqa: B006
+        """The ``Args:`` section of a front-end's docstring (indented as a class docstring's body): every option's
+        description, then the front-end's ``own`` arguments, less ``leave_out``."""
+        entries = {**StrategyOptions.documented(), **own}
+        lines = ["", "    Args:"]
+        for name, text in entries.items():
+            if name not in leave_out:
+                lines += textwrap.wrap(f"{name}: {text}", width=116, initial_indent="        ",
+                                       subsequent_indent="            ", break_on_hyphens=False)
+        return "\n".join(lines) + "\n"
 
     @staticmethod
     def arguments() -> dict[str, inspect.Parameter]:
@@ -428,6 +639,19 @@ class StrategyOptions:
 
 def _int_at_least(n: Any, low: int) -> bool:
     return isinstance(n, int) and not isinstance(n, bool) and n >= low
+
+
+def _kind(value: Any, kinds: type | tuple[type, ...]) -> type[Exception]:
+    """The error for a refused ``value``: ``ValueError`` when it is of the type the option takes (a bad value),
+    ``TypeError`` when it is not (``bool`` is not taken for a number). Every option follows this rule."""
+    right = isinstance(value, kinds) and not isinstance(value, bool)
+    return ValueError if right else TypeError
+
+
+def _check_type(name: str, value: Any, kinds: tuple[type, ...], what: str) -> None:
+    """``TypeError`` unless ``value`` is one of ``kinds`` (``bool`` only where listed: ``True`` is an int)."""
+    if not isinstance(value, kinds) or (isinstance(value, bool) and bool not in kinds):
+        raise TypeError(f"FSDP2Strategy({name}={value!r}): {what}")
 
 
 def _check_flag(name: str, flag: Any) -> None:

@@ -20,7 +20,7 @@ in the module named):
 6. :func:`apply_fully_shard`: ``fully_shard`` bottom-up, then the roots (``wrap.py``), over the layout's
    data-parallel mesh; weights loaded with ``quantize="nf4"`` are quantized group by group (``quantize.py``);
 7. ``wrap.schedule_blocks`` (prefetching) and :func:`apply_root_hooks` (activation offloading, the roots' forwards
-   outside training made to wait for every rank for a bounded time: ``lockstep.py``);
+   outside training made to wait for every rank for a bounded time: ``forward_guard.py``);
 8. :func:`apply_values`: each rank materializes its own shards, initializes what no pretrained weights cover
    (``init.py``; what tensor parallelism leaves whole made equal over each tensor group), loads the slices
    ``load_pretrained`` declared (``checkpoint/pretrained.py``), derives what depends on them (DoRA magnitudes),
@@ -48,7 +48,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from lightning_fsdp2.auto_layout import AutoLayout, LayoutChoice, choose_layout
 from lightning_fsdp2.checkpoint.module_load import install_load_hooks
 from lightning_fsdp2.checkpoint.pretrained import PlannedLoads
-from lightning_fsdp2.lockstep import guard_forwards
+from lightning_fsdp2.forward_guard import guard_forwards
 from lightning_fsdp2.init import (
     check_initialized,
     initialize_from_loaded,
@@ -304,7 +304,7 @@ def apply_fully_shard(
 
 def apply_root_hooks(module: nn.Module, options: StrategyOptions) -> None:
     """On the FSDP roots: activation offloading, and forwards outside training made to wait for every rank for a
-    bounded time (``lockstep.py``)."""
+    bounded time (``forward_guard.py``)."""
     roots = [module.get_submodule(name) for name in fsdp_roots(module)]
     if options.offload_activations.enabled:
         offload_activations(roots)

@@ -60,102 +60,6 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
 
     The user's ``LightningModule`` builds its network in ``configure_model``; the strategy builds it on ``meta``,
     shards it, and gives each rank real storage for its shard only. Nothing in user code calls ``fully_shard``.
-
-    Args:
-        auto_wrap_policy: which modules become their own FSDP group (all-gathered and freed together): a set of
-            module classes or a callable ``(name, module) -> bool``. Default: a Hugging Face model's
-            ``_no_split_modules``, else ``nn.TransformerEncoderLayer``/``nn.TransformerDecoderLayer``, else the
-            repeated children of an ``nn.ModuleList``. The root is always a group too.
-        activation_checkpointing_policy: modules whose activations are recomputed in backward (same forms as
-            ``auto_wrap_policy``); ``None`` for none. Applied before sharding.
-        activation_checkpointing_every: checkpoint only every n-th of the modules ``activation_checkpointing_policy``
-            selects (in model order: with 2 the second, fourth...); 1 (default) checkpoints them all.
-        activation_checkpointing_save: op-level selective checkpointing: the checkpointed modules keep the outputs
-            of these ops and recompute the rest. ``"matmuls"`` (matrix multiplications and attention kernels), a
-            collection of ATen operators, or a ``torch.utils.checkpoint`` policy function ``(ctx, op, *args,
-            **kwargs) -> CheckpointPolicy``. ``None`` (default): recompute everything.
-        compile: ``torch.compile`` each block (the innermost modules ``auto_wrap_policy`` selects) after activation
-            checkpointing and before sharding: ``True``, or a dict of ``torch.compile``'s keyword arguments
-            (``{"mode": "max-autotune"}``...). Training forwards run compiled, evaluation eagerly. Parameter names
-            and checkpoints are unchanged.
-        forward_prefetch: in forward, each block starts the all-gathers of the next n blocks of its root (0,
-            default: FSDP2's own schedule, each block gathered when its forward starts).
-        backward_prefetch: in backward, each block starts the all-gathers of the n blocks before it (1, default:
-            FSDP2's own).
-        reshard_last_block: free the last block's gathered parameters after its forward like the others'
-            (``True``, default), or keep them to its backward, which comes first (one all-gather less per step for
-            one block's parameters held meanwhile). Only matters when ``reshard_after_forward`` is not ``False``.
-        offload_activations: keep the activations saved for backward (not the weights) in pinned CPU memory between
-            each root's training forward and its backward. CUDA only.
-        unmatched_forward_timeout: seconds a forward outside training (evaluation, ``generate``, any forward under
-            ``torch.no_grad()`` or in ``eval()`` mode) waits for every rank to run it too, then raises naming the
-            cause, instead of hanging in its all-gathers until ``timeout`` (a forward on rank 0 alone, e.g. sampling
-            on rank 0 only). Default 60; ``None`` turns the check off. Training forwards are not checked.
-        peer_timeout: seconds a rank waits in a collective for another rank, from the second training step on
-            (the first may compile and warm up for longer), then raises ``PeerLostError`` naming what each rank was
-            last doing (a rank that caught an exception and moved on, returned early, or is stuck in its own code;
-            a save called on some ranks only), instead of waiting for ``timeout``. Default 300; ``None``: the
-            process group's ``timeout`` throughout, no report. Each rank publishes its phase to the process
-            group's store once a second from a thread; the step itself pays nothing measurable.
-        mixed_precision: an FSDP2 ``MixedPrecisionPolicy`` that overrides the one derived from
-            ``Trainer(precision=...)``.
-        reshard_after_forward: ``True`` frees gathered parameters after forward (least memory), ``False`` keeps
-            them to backward (least communication), an ``int`` reshards to groups of that many ranks.
-        cpu_offload: keep sharded parameters, gradients and optimizer state in CPU memory (CUDA only); ``True`` or a
-            ``CPUOffloadPolicy``.
-        device_mesh: ``None`` (default) shards every parameter over all processes. ``(replicate, shard)``: HSDP, each
-            parameter sharded over groups of ``shard`` consecutive ranks (the devices of one node) and replicated
-            over ``replicate`` such groups, so only the gradient all-reduce crosses between groups; ``replicate x
-            shard`` (x ``tensor_parallel_size``) must be the number of processes and ``shard`` divide the devices
-            per node (or be a multiple of them). ``(replicate, shard, tensor)``: tensor parallelism over groups of
-            ``tensor`` adjacent ranks as well. The sizes by name, ``{"replicate": 2, "shard": 4, "tensor": 2}``, say
-            the same (a dimension left out has one rank; ``"shard"`` left out, the processes the others leave). A
-            ready ``DeviceMesh`` (1-D, 2-D as ``(replicate, shard)`` or 3-D as
-            ``(replicate, shard, tensor)``, over every rank in order, as ``init_device_mesh`` makes it) is used as
-            it is; it needs a process group started by the launcher. ``"auto"``: chosen once the model exists on
-            ``meta``, before anything is allocated, from the memory each rank would need (parameters, gradients,
-            Adam's state, gathered parameters, activations) against ``memory_budget``: the fastest that fits, from a
-            shard group of one rank (every rank a whole replica, DDP's traffic) through HSDP to full sharding, and
-            ``reshard_after_forward`` with it; printed on rank 0 and kept in ``strategy.layout_choice``.
-        memory_budget: with ``device_mesh="auto"``, the bytes each rank may use (an int, or ``"20GiB"``/``"80GB"``);
-            default: the device's free memory (on CPU, the available memory divided among the node's processes), the
-            smallest over the ranks.
-        batch_shape: with ``device_mesh="auto"``, ``(sequences, tokens)`` of one rank's micro-batch: the activations
-            are estimated from one forward of the model on ``meta`` (Hugging Face causal LMs). Without it, a quarter of
-            the budget is held back for them.
-        tensor_parallel_size: split the layers of the tensor-parallel plan over groups of this many adjacent ranks
-            (inside a node; it must divide the devices per node), and shard with FSDP2 over the rest (1, default: no
-            tensor parallelism). The ranks of a group compute one batch together: ``distributed_sampler_kwargs``
-            count data-parallel ranks only.
-        tensor_parallel_plan: which layers tensor parallelism splits: ``None`` (default) uses a Hugging Face model's
-            own plan (``base_model_tp_plan``) with transformers' styles; a dict of module-name patterns (``*`` for one
-            name part, names as ``named_modules()`` of the LightningModule) to transformers' style names
-            (``"colwise"``, ``"rowwise"``, ``"embedding_rowwise"``...) or torch ``ParallelStyle`` objects; or a
-            callable ``(model, tensor_mesh)`` that parallelizes the model itself. LoRA adapters on split layers are
-            split as peft does.
-        meta_init: build parameters on ``meta`` in ``configure_model`` (default). ``False`` builds them for real on
-            the CPU first and shards them afterwards (every rank then holds the whole model for a moment).
-        process_group_backend: ``"gloo"``, ``"nccl"``...; default from the device (gloo on CPU, nccl on CUDA).
-        timeout: timeout of collective operations.
-        start_method: how Lightning starts the processes: ``"popen"`` re-runs the script (default, as ``DDPStrategy``),
-            or ``"spawn"``/``"fork"``/``"forkserver"`` through ``torch.multiprocessing``. With the latter the trained
-            weights are gathered to rank 0 at the end of ``fit`` and loaded into the main process's module, as
-            Lightning does for DDP (the main process then holds the whole model).
-        state_dict_type: how checkpoints are saved. ``"full"``: one file written by rank 0, the same a single-device
-            run writes (loadable without this library). ``"sharded"``: a directory in which every rank writes its
-            own shards (``torch.distributed.checkpoint``), much faster and lighter for large models. Both kinds
-            are loaded by ``fit(ckpt_path=...)`` on any number of processes.
-        save_trainable_only: save only parameters with ``requires_grad=True`` (and their optimizer state), e.g. the
-            LoRA adapters of a frozen base. On resume the frozen base must come from ``load_pretrained`` again.
-        async_save: write sharded checkpoints in the background (``torch.distributed.checkpoint.async_save``):
-            ``save_checkpoint`` returns once the shards are copied to CPU memory, training goes on while they are
-            written, and the directory appears at its path when every rank is done. The next save (and the end of
-            ``fit``) waits for the previous one; a save after ``fit`` returned is synchronous. Needs
-            ``state_dict_type="sharded"``.
-        verify_checkpoints: before a checkpoint is loaded (``ckpt_path=``), check the CRC-32 of every piece of its
-            data against the checksums written with it (the ranks share the reading: one more read of its bytes in
-            all), and raise on every rank, naming the file and tensor, if any differs. Default ``True``; ``False``
-            loads without the check. Checkpoints written by others load as before.
     """
 
     strategy_name = "fsdp2"
@@ -564,3 +468,14 @@ def _check_picklable(arguments: Mapping[str, Any], start_method: str) -> None:
                 f" pickles the strategy into each process it starts.{hint} Or use start_method='popen' (the default,"
                 " which re-runs the script) or 'fork'."
             ) from None
+
+
+_START_METHOD = (
+    "how Lightning starts the processes: ``\"popen\"`` re-runs the script (default, as ``DDPStrategy``), or"
+    " ``\"spawn\"``/``\"fork\"``/``\"forkserver\"`` through ``torch.multiprocessing``. With the latter the trained"
+    " weights are gathered to rank 0 at the end of ``fit`` and loaded into the main process's module, as Lightning"
+    " does for DDP (the main process then holds the whole model)."
+)
+# Each option described once, where it is declared (options.py); the docstring shows them all.
+FSDP2Strategy.__doc__ = (FSDP2Strategy.__doc__ or "").rstrip() + "\n" + StrategyOptions.args_section(
+    own={"start_method": _START_METHOD})
