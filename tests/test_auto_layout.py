@@ -433,3 +433,26 @@ def test_fabric_chooses_too() -> None:
         assert rank == {"mesh": (2, 1), "chosen": (2, 1), "layout": (2, 1)}
     for rank in run_distributed(_fabric_auto, 2, sharded):
         assert rank["mesh"] == (2,) and rank["chosen"] == (1, 2)
+
+
+@pytest.mark.parametrize(("kwargs", "kind", "fragment"), [
+    ({"device_type": "gpu"}, ValueError, "'cuda' or 'cpu'"),
+    ({"devices_per_node": 3}, ValueError, "the processes are whole nodes"),
+    ({"optimizer_states": -1}, ValueError, "optimizer_states=-1"),
+    ({"batch_shape": (0, 16)}, ValueError, "two positive ints"),
+    ({"batch_shape": "2x16"}, TypeError, "two positive ints"),
+    ({"world_size": 2.0}, TypeError, "world_size=2.0"),
+], ids=["device-type", "devices-per-node", "optimizer-states", "batch-shape", "batch-shape-type", "world-size"])
+def test_estimate_layouts_refuses_what_the_strategy_would(kwargs: dict, kind: type, fragment: str) -> None:
+    """Its own arguments checked as the strategy's options are (another type TypeError, a bad value ValueError),
+    instead of a table for a layout that cannot exist."""
+    arguments = {"world_size": 2, **kwargs}
+    with pytest.raises(kind, match=re.escape(fragment)):
+        estimate_layouts(_meta_module(), arguments.pop("world_size"), **arguments)
+
+
+def test_a_tensor_size_given_twice_is_refused_at_construction() -> None:
+    for mesh in ({"tensor": 2}, (1, 2, 2)):
+        with pytest.raises(ValueError, match="give the tensor-parallel size once"):
+            FSDP2Strategy(device_mesh=mesh, tensor_parallel_size=4)
+    FSDP2Strategy(device_mesh={"tensor": 2}, tensor_parallel_size=2)  # the same size twice is fine

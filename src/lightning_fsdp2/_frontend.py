@@ -107,8 +107,9 @@ class FrontEndCore:
 
     @property
     def device_mesh(self) -> DeviceMesh:
-        """The mesh parameters are sharded on: 1-D ``("shard",)`` over all processes, or 2-D ``("replicate", "shard")``
-        with ``device_mesh=(replicate, shard)`` (HSDP)."""
+        """The processes' mesh, its dimensions named as the layout's (``strategy.layout``): ``("shard",)`` over all
+        processes, ``("replicate", "shard")`` with HSDP, and ``"tensor"`` last with tensor parallelism (e.g.
+        ``("shard", "tensor")`` for ``tensor_parallel_size=2``); FSDP2 shards over its data-parallel dimensions."""
         if self._device_mesh is None:
             raise self._not_yet("device mesh")
         return self._device_mesh

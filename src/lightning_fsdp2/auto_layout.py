@@ -535,6 +535,8 @@ def estimate_layouts(
     ``optimizer_states``: state per trainable element (Adam: 2, the strategy's assumption; SGD with momentum: 1).
     ``batch_shape``: ``(sequences, tokens)`` per rank, to estimate the activations. ``device_type``: ``"cuda"`` or
     ``"cpu"`` (what the allocator holds beyond the tensors differs: :data:`ALLOCATOR_SHARE`)."""
+    _check_estimate_inputs(world_size, devices_per_node, optimizer_states, device_type)
+    check_batch_shape(batch_shape, "estimate_layouts")
     real = [name for name, t in [*model.named_parameters(), *model.named_buffers()] if not t.is_meta]
     if real:
         raise ValueError(
@@ -589,13 +591,57 @@ _UNITS = {"": 1, "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12,
           "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40}
 
 
+def check_batch_shape(batch_shape: Any, caller: str) -> None:
+    """Refuse a ``batch_shape`` that is not two positive ints: ``TypeError`` for another type, ``ValueError`` for a bad
+    value."""
+    if batch_shape is None or (
+        isinstance(batch_shape, (tuple, list)) and len(batch_shape) == 2
+        and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in batch_shape)
+    ):
+        return
+    of_ints = isinstance(batch_shape, (tuple, list)) and all(
+        isinstance(n, int) and not isinstance(n, bool) for n in batch_shape)
+    raise (ValueError if of_ints else TypeError)(
+        f"{caller}(batch_shape={batch_shape!r}): (sequences, tokens) of one rank's micro-batch, two positive ints,"
+        " which device_mesh='auto' estimates the activations for."
+    )
+
+
+def _check_estimate_inputs(world_size: Any, devices_per_node: Any, optimizer_states: Any, device_type: Any) -> None:
+    """``estimate_layouts``' own arguments, refused as the strategy refuses its options (before anything is built)."""
+    def positive(n: Any) -> bool:
+        return isinstance(n, int) and not isinstance(n, bool) and n > 0
+
+    states_ok = isinstance(optimizer_states, int) and not isinstance(optimizer_states, bool) and optimizer_states >= 0
+    for name, value, ok, what in (
+        ("world_size", world_size, positive(world_size), "a positive int"),
+        ("devices_per_node", devices_per_node, devices_per_node is None or positive(devices_per_node),
+         "a positive int, or None for one node"),
+        ("optimizer_states", optimizer_states, states_ok, "an int >= 0 (state per trainable element: Adam 2)"),
+    ):
+        if not ok:
+            kind = ValueError if isinstance(value, int) and not isinstance(value, bool) else TypeError
+            raise kind(f"estimate_layouts({name}={value!r}): {what}.")
+    if devices_per_node is not None and world_size % devices_per_node and devices_per_node % world_size:
+        raise ValueError(
+            f"estimate_layouts(world_size={world_size}, devices_per_node={devices_per_node}): the processes are whole"
+            " nodes: devices_per_node divides world_size (or, for one node, is world_size)."
+        )
+    if device_type not in ("cuda", "cpu"):
+        raise (ValueError if isinstance(device_type, str) else TypeError)(
+            f"estimate_layouts(device_type={device_type!r}): 'cuda' or 'cpu' (what the allocator holds beyond the"
+            " tensors differs between them)."
+        )
+
+
 def check_memory_budget(value: Any) -> int | None:
     """``memory_budget`` as bytes (an int, or a string such as ``"20GiB"``/``"80GB"``); a ``TypeError`` for another
     type, a ``ValueError`` for a bad value (as every option)."""
     if value is None:
         return None
     what = (f"FSDP2Strategy(memory_budget={value!r}): the bytes each rank may use, as a positive int or a string such"
-            " as '20GiB' or '80GB' (None: the device's free memory).")
+            " as '20GiB' or '80GB' (a number, then B, KB, MB, GB, TB or KiB, MiB, GiB, TiB, any case; None: the"
+            " device's free memory).")
     if isinstance(value, bool) or not isinstance(value, (int, str)):
         raise TypeError(what)
     if isinstance(value, int):

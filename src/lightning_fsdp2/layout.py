@@ -96,6 +96,22 @@ def check_mesh_option(device_mesh: Any) -> MeshOption:
     return tuple(device_mesh)  # type: ignore[return-value]
 
 
+def check_tensor_given_once(device_mesh: Any, tensor_parallel_size: int) -> None:
+    """Refuse two different tensor-parallel sizes, one in ``device_mesh`` and one as ``tensor_parallel_size`` (at
+    construction: both are known then)."""
+    if isinstance(device_mesh, Mapping):
+        given = device_mesh.get(TENSOR)
+    elif isinstance(device_mesh, tuple) and len(device_mesh) == 3:
+        given = device_mesh[2]
+    else:
+        return
+    if given is not None and tensor_parallel_size not in (1, given):
+        raise ValueError(
+            f"FSDP2Strategy(device_mesh={device_mesh!r}, tensor_parallel_size={tensor_parallel_size}): give the"
+            " tensor-parallel size once, in device_mesh or as tensor_parallel_size."
+        )
+
+
 def check_tensor_parallel_size(size: Any) -> int:
     """``tensor_parallel_size`` as the strategies keep it, or a ``TypeError`` (not an int) or ``ValueError`` (below 1),
     at construction."""

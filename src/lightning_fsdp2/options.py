@@ -21,9 +21,15 @@ import torch
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from torch.distributed.fsdp import CPUOffloadPolicy, MixedPrecisionPolicy, OffloadPolicy
 
-from lightning_fsdp2.auto_layout import BatchShape, check_memory_budget
+from lightning_fsdp2.auto_layout import BatchShape, check_batch_shape, check_memory_budget
 from lightning_fsdp2.blocks import SavePolicy, check_compile_options, check_save_policy
-from lightning_fsdp2.layout import Layout, MeshOption, check_mesh_option, check_tensor_parallel_size
+from lightning_fsdp2.layout import (
+    Layout,
+    MeshOption,
+    check_mesh_option,
+    check_tensor_given_once,
+    check_tensor_parallel_size,
+)
 from lightning_fsdp2.tensor_parallel import TensorParallelPlan, check_plan_option, check_tensor_parallel_options
 from lightning_fsdp2.wrap import ModulePolicy
 
@@ -89,16 +95,9 @@ class LayoutOptions:
         auto = isinstance(device_mesh, str) and device_mesh == "auto"
         mesh = "auto" if auto else check_mesh_option(device_mesh)
         size = check_tensor_parallel_size(tensor_parallel_size)
+        check_tensor_given_once(mesh, size)
         budget = check_memory_budget(memory_budget)
-        if batch_shape is not None and not (
-            isinstance(batch_shape, (tuple, list)) and len(batch_shape) == 2
-            and all(isinstance(n, int) and not isinstance(n, bool) and n > 0 for n in batch_shape)
-        ):
-            of_ints = isinstance(batch_shape, (tuple, list)) and all(_int_at_least(n, -2**63) for n in batch_shape)
-            raise (ValueError if of_ints else TypeError)(
-                f"FSDP2Strategy(batch_shape={batch_shape!r}): (sequences, tokens) of one rank's micro-batch, two"
-                " positive ints, which device_mesh='auto' estimates the activations for."
-            )
+        check_batch_shape(batch_shape, "FSDP2Strategy")
         if not auto and (budget is not None or batch_shape is not None):
             given = "memory_budget" if budget is not None else "batch_shape"
             raise ValueError(
