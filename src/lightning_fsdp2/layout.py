@@ -98,7 +98,7 @@ def check_mesh_option(device_mesh: Any) -> MeshOption:
 
 def check_tensor_given_once(device_mesh: Any, tensor_parallel_size: int) -> None:
     """Refuse two different tensor-parallel sizes, one in ``device_mesh`` and one as ``tensor_parallel_size`` (at
-    construction: both are known then)."""
+    construction, and again by :meth:`Layout.resolve` for a caller that skips it)."""
     if isinstance(device_mesh, Mapping):
         given = device_mesh.get(TENSOR)
     elif isinstance(device_mesh, tuple) and len(device_mesh) == 3:
@@ -141,6 +141,7 @@ class Layout:
         """The layout ``FSDP2Strategy(device_mesh=option, tensor_parallel_size=...)`` asks for on ``world_size``
         processes, ``devices_per_node`` of them per node; a ``ValueError`` that says what to change if it cannot
         work. Pure: the same on every rank, so every rank raises together, before any collective."""
+        check_tensor_given_once(option, tensor_parallel_size)
         shown = None  # the user's own form, for the messages
         if isinstance(option, Mapping):
             shown = f"device_mesh={dict(option)}" + (
@@ -159,11 +160,6 @@ class Layout:
             return layout
         tensor = tensor_parallel_size
         if option is not None and len(option) == 3:
-            if tensor_parallel_size not in (1, option[2]):
-                raise ValueError(
-                    f"FSDP2Strategy(device_mesh={option}, tensor_parallel_size={tensor_parallel_size}): give the"
-                    " tensor-parallel size once, as the mesh's third number or as tensor_parallel_size."
-                )
             tensor = option[2]
         if option is None:
             if world_size % tensor:
@@ -382,13 +378,7 @@ def _positional(sizes: Mapping[str, int], world_size: int, tensor_parallel_size:
     """The sizes by name as the positional form and ``tensor_parallel_size``: without ``"replicate"``, ``None`` (one
     shard group of all processes, or of all but the tensor dimension's); else ``(replicate, shard)`` or ``(replicate,
     shard, tensor)``. ``"shard"`` left out takes the processes the others leave."""
-    tensor = sizes.get(TENSOR, 1)
-    if TENSOR in sizes and tensor_parallel_size not in (1, tensor):
-        raise ValueError(
-            f"FSDP2Strategy(device_mesh={dict(sizes)!r}, tensor_parallel_size={tensor_parallel_size}): give the"
-            " tensor-parallel size once, in device_mesh or as tensor_parallel_size."
-        )
-    tensor = max(tensor, tensor_parallel_size)
+    tensor = max(sizes.get(TENSOR, 1), tensor_parallel_size)  # given once (check_tensor_given_once)
     replicate = sizes.get(REPLICATE, 1)
     shard = sizes.get(SHARD)
     if shard is None:

@@ -568,10 +568,10 @@ class StrategyOptions:
         return {name: text for part in _PARTS.values() for name, text in part.ARGUMENTS.items()}
 
     @staticmethod
-    def args_section(own: Mapping[str, str] = {}, leave_out: tuple[str, ...] = ()) -> str:  # noqa: B006
+    def args_section(own: Mapping[str, str] | None = None, leave_out: tuple[str, ...] = ()) -> str:
         """The ``Args:`` section of a front-end's docstring (indented as a class docstring's body): every option's
         description, then the front-end's ``own`` arguments, less ``leave_out``."""
-        entries = {**StrategyOptions.documented(), **own}
+        entries = {**StrategyOptions.documented(), **(own or {})}
         lines = ["", "    Args:"]
         for name, text in entries.items():
             if name not in leave_out:

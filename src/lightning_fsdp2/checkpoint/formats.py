@@ -166,12 +166,12 @@ def save_sharded(checkpoint: Mapping[str, Any], path: Path, *, background: Backg
     meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states", *entries)}
     if entries:  # where they went: read back with `load_entry`
         meta[FORMAT_KEY] = {**meta.get(FORMAT_KEY, {}), "entries": entries}
-    paths: list[str] = [""] * dist.get_world_size()
-    dist.all_gather_object(paths, str(path))
-    owner = paths.index(str(path)) == dist.get_rank()  # the lowest rank on a path checks, makes and swaps it in
-    token = [uuid.uuid4().hex[:8]]
-    dist.broadcast_object_list(token, src=0)  # the same temporary name everywhere
-    tmp = temporary_path(path, token[0])
+    # One exchange: every rank's path (the lowest rank on a path checks, makes and swaps it in) and rank 0's token
+    # (the same temporary name everywhere).
+    gathered: list[Any] = [None] * dist.get_world_size()
+    dist.all_gather_object(gathered, (str(path), uuid.uuid4().hex[:8]))
+    owner = [p for p, _ in gathered].index(str(path)) == dist.get_rank()
+    tmp = temporary_path(path, gathered[0][1])
 
     def prepare() -> None:  # before any rank writes a byte: refuse a target that is not ours
         if not owner:
