@@ -4,6 +4,7 @@ positions, and the front-ends' arguments forwarded in one place."""
 from __future__ import annotations
 
 import inspect
+from dataclasses import replace
 
 import pytest
 import torch
@@ -125,6 +126,63 @@ def test_slices_gathers_and_seeds_follow_each_tensors_placements() -> None:
     # The point-to-point path (a padded receive of 2 x 4 rows) for FSDP2's layouts; the general one otherwise.
     assert ranks[0]["rows-first"]["receive_bytes"] == ranks[0]["hsdp"]["receive_bytes"] == 8 * 6 * 4
     assert ranks[0]["two-splits"]["receive_bytes"] == 0
+
+
+# =========================================================================== where FSDP2 keeps each group
+class LastDimStored(Layout):
+    """A layout that keeps every parameter split along its last dimension (FSDP2's default is its first): what a
+    dimension that stores some groups otherwise (expert parallelism's experts) asks of the rest of the package."""
+
+    def storage(self, mesh, group, module):
+        from torch.distributed.tensor import Shard
+
+        return replace(super().storage(mesh, group, module), placement=lambda p: Shard(p.ndim - 1))
+
+
+def _fit_stored_by_last_dim(pretrained: str, epochs: int, save_to: str | None, resume_from: str | None) -> dict:
+    """tests.models.fit_resumable with the layout replaced by :class:`LastDimStored` once the processes started,
+    saving sharded checkpoints."""
+    import lightning as L
+    from torch.distributed.tensor import DTensor
+
+    from lightning_fsdp2 import FSDP2Strategy
+    from tests.models import ResumeModule, full_state, quiet_trainer_kwargs, world
+
+    class StoresByLastDim(FSDP2Strategy):
+        def setup_environment(self) -> None:
+            super().setup_environment()
+            self._layout = LastDimStored(self._layout.names, self._layout.sizes)
+
+    model = ResumeModule(pretrained)
+    trainer = L.Trainer(accelerator="cpu", devices=world(), strategy=StoresByLastDim(state_dict_type="sharded"), max_epochs=epochs,
+                        limit_val_batches=0, num_sanity_val_steps=0, **quiet_trainer_kwargs())
+    trainer.fit(model, ckpt_path=resume_from)
+    if save_to:
+        trainer.save_checkpoint(save_to)
+    placements = {n: tuple(p.placements) for n, p in model.named_parameters() if isinstance(p, DTensor)}
+    return {"state": full_state(model), "step": trainer.global_step, "lr": trainer.optimizers[0].param_groups[0]["lr"],
+            "split_dims": {n: pl[0].dim for n, pl in placements.items()},
+            "shapes": {n: tuple(p.shape) for n, p in model.named_parameters()}}
+
+
+def test_groups_kept_where_the_layout_says_train_save_and_resume_as_the_default(pretrained, saved: dict,
+                                                                                  straight: dict, tmp_path) -> None:
+    """Layout.storage decides, group by group, where FSDP2 keeps the parameters (here: split along their last
+    dimension). Loaded from a pretrained checkpoint, trained, saved and resumed, a run kept so is the default's: its
+    sharded checkpoint resumes at the default layout and the default's resumes in it, each equal to two epochs
+    straight."""
+    from tests.models import assert_same_run, fit_resumable
+
+    mine = tmp_path / "last-dim.ckpt"
+    first = run_distributed(_fit_stored_by_last_dim, 2, str(pretrained), 1, str(mine), None)
+    for rank in first:  # the option reached FSDP2: every parameter split along its last dimension
+        assert rank["split_dims"] and all(d == len(rank["shapes"][n]) - 1 for n, d in rank["split_dims"].items())
+    resumed = run_distributed(_fit_stored_by_last_dim, 2, str(pretrained), 2, None, str(mine))[0]
+    assert_same_run(resumed, straight, "kept by last dimension, resumed kept so")
+    resumed = run_distributed(fit_resumable, 2, str(pretrained), 2, None, str(mine), {})[0]
+    assert_same_run(resumed, straight, "kept by last dimension, resumed by the default layout")
+    resumed = run_distributed(_fit_stored_by_last_dim, 2, str(pretrained), 2, None, str(saved["sharded"]))[0]
+    assert_same_run(resumed, straight, "the default layout's checkpoint resumed kept by last dimension")
 
 
 # =========================================================================== options: one object per technique

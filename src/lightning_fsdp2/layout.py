@@ -13,7 +13,8 @@ The dimensions, outermost (slowest-varying rank) first:
   layers the plan names are split over them (``tensor_parallel.py``), and they compute one batch together.
 
 ``"replicate"`` and ``"shard"`` are *data-parallel*: ranks at different coordinates on them read different batches;
-ranks that differ only on ``"tensor"`` read the same one. A layout is resolved once
+ranks that differ only on ``"tensor"`` read the same one. Where FSDP2 keeps each group's parameters (on which ranks,
+split along which tensor dimension) is the layout's answer too (:meth:`Layout.storage`). A layout is resolved once
 the processes are known (:meth:`Layout.resolve`, pure: no process group needed) and checked there, on every rank
 alike, before any collective; :meth:`Layout.build_mesh` then makes the ``DeviceMesh`` (a collective).
 """
@@ -21,12 +22,13 @@ alike, before any collective; :meth:`Layout.build_mesh` then makes the ``DeviceM
 from __future__ import annotations
 
 import math
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-from torch import Tensor
+from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
+from torch.distributed.tensor import Shard
 
 REPLICATE = "replicate"
 SHARD = "shard"
@@ -56,6 +58,20 @@ MeshOption = tuple[int, int] | tuple[int, int, int] | Mapping[str, int] | Device
 ``(replicate, shard, tensor)``, the sizes by name (``{"replicate": 2, "shard": 4, "tensor": 2}``; a dimension left
 out has one rank, ``"shard"`` left out takes the processes the others leave), or a ready 1-D (shard), 2-D
 (replicate, shard) or 3-D (replicate, shard, tensor) ``DeviceMesh``."""
+
+
+@dataclass(frozen=True)
+class Storage:
+    """Where FSDP2 keeps the parameters of one group: ``fully_shard``'s ``mesh`` and ``shard_placement_fn``."""
+
+    mesh: DeviceMesh
+    """1-D: each parameter split over its ranks; 2-D: HSDP (replicated over the first dimension, split over the
+    second)."""
+    placement: Callable[[nn.Parameter], Shard | None] | None = None
+    """Along which dimension each parameter is split (``None``: its first, FSDP2's default). A dimension other than
+    the first keeps a parameter whose first is short (a few experts over many ranks) from padding most ranks' pieces;
+    the checkpoints, the loads and the initialization read each tensor's own placements, so any is saved, resumed and
+    loaded alike."""
 
 
 def check_mesh_option(device_mesh: Any) -> MeshOption:
@@ -287,6 +303,14 @@ class Layout:
         shard, HSDP), its data-parallel dimensions."""
         kept = tuple(name for name in self.names if name in DATA_PARALLEL)
         return mesh if kept == self.names else mesh[self._mesh_names(mesh, kept)]
+
+    def storage(self, mesh: DeviceMesh, group: str, module: nn.Module) -> Storage:
+        """Where FSDP2 keeps the parameters group ``group`` (``module``, a qualified name under the model) claims:
+        asked group by group by ``wrap.shard_groups``. Every group on the data-parallel part of ``mesh``
+        (:meth:`fsdp_mesh`), each parameter split along its first dimension. Per group, because a kind of parallelism
+        that places some parameters itself (expert parallelism: each rank holds whole experts of its group) has FSDP
+        keep those on other ranks than the dense ones: this is where it says so (FSDP2 takes one mesh per group)."""
+        return Storage(self.fsdp_mesh(mesh))
 
     def sub_mesh(self, mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh | None:
         """The part of ``mesh`` along the dimensions ``names`` (those of them this layout has with more than one

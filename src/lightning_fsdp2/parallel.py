@@ -34,6 +34,7 @@ from :class:`~lightning_fsdp2.options.StrategyOptions` (one object per technique
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Generator
 from contextlib import contextmanager
 from dataclasses import dataclass, field, replace
@@ -206,8 +207,7 @@ def parallelize(
     blocks = innermost(block_names(module, options.shard.auto_wrap_policy))
     apply_checkpointing_and_compile(module, blocks, options)
     plain = {p for p in module.parameters() if not p.requires_grad} if choice and choice.chosen.frozen_plain else None
-    quantized = apply_fully_shard(module, layout.fsdp_mesh(mesh), layout, options, precision, pretrained, device,
-                                  module_is_root, plain)
+    quantized = apply_fully_shard(module, mesh, layout, options, precision, pretrained, device, module_is_root, plain)
     schedule_blocks(module, [] if plain else blocks, forward=options.prefetch.forward,
                     backward=options.prefetch.backward, reshard_last=options.prefetch.reshard_last_block)
     apply_root_hooks(module, options)
@@ -281,8 +281,8 @@ def apply_fully_shard(
     module_is_root: bool,
     plain: set[nn.Parameter] | None = None,
 ) -> set[str]:
-    """``fully_shard`` bottom-up, then the roots (``wrap.py``), over ``mesh`` (the layout's data-parallel part);
-    with weights loaded with ``quantize="nf4"``, group by group, each group's stored in NF4 just before its
+    """``fully_shard`` bottom-up, then the roots (``wrap.py``), each group kept where the layout says
+    (:meth:`Layout.storage`: over the data-parallel part of ``mesh``); with weights loaded with ``quantize="nf4"``, group by group, each group's stored in NF4 just before its
     ``fully_shard`` (``quantize.py``). ``plain``: parameters FSDP2 leaves alone (``device_mesh="auto"``'s whole
     replicas: the frozen ones stay plain tensors, and the roots alone are groups, so the trained parameters are
     gathered and reduced once per step). Return the names of the weights stored in NF4."""
@@ -296,9 +296,10 @@ def apply_fully_shard(
     }
     if plain:
         arguments.update(ignored_params=plain, roots_only=True)
+    where = functools.partial(layout.storage, mesh)
     if pretrained.quantizes:
-        return shard_quantizing(module, mesh, pretrained, layout.shard_size, device, **arguments)
-    shard_model(module, mesh, **arguments)
+        return shard_quantizing(module, where, pretrained, layout.shard_size, device, **arguments)
+    shard_model(module, where, **arguments)
     return set()
 
 

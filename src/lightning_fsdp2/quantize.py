@@ -24,10 +24,9 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
-from torch.distributed.device_mesh import DeviceMesh
 
 from lightning_fsdp2.peft_support import adapter_tensors
-from lightning_fsdp2.wrap import shard_groups, shard_model
+from lightning_fsdp2.wrap import Where, shard_groups, shard_model
 
 QUANTIZATIONS = ("nf4",)
 NF4_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -292,7 +291,7 @@ class NF4Loads(Protocol):
 
 
 def shard_quantizing(
-    module: nn.Module, mesh: DeviceMesh, loads: NF4Loads, shard_size: int, device: torch.device, **shard: Any
+    module: nn.Module, where: Where, loads: NF4Loads, shard_size: int, device: torch.device, **shard: Any
 ) -> set[str]:
     """``fully_shard`` ``module`` group by group (``wrap.shard_groups``, with ``shard``'s arguments), storing each
     group's NF4 weights just before its ``fully_shard``, which splits them: beyond its shards a rank holds one group's
@@ -303,11 +302,11 @@ def shard_quantizing(
         # torchao's NF4 does not take FSDP2's single-rank all-gather (fsdp_post_all_gather receives one output): NF4
         # weights then stay plain, unmanaged by FSDP2.
         alone = quantize_weights(loads.take_nf4(module), device)
-        shard_model(module, mesh, ignored_params={p for n, p in module.named_parameters() if n in alone}, **shard)
+        shard_model(module, where, ignored_params={p for n, p in module.named_parameters() if n in alone}, **shard)
         return alone
     quantized: set[str] = set()
     turn = 0  # the ranks' turns go on from group to group, so the work stays spread when groups are small
-    for name, _ in shard_groups(module, mesh, **shard):  # each group is sharded once the loop moves on
+    for name, _ in shard_groups(module, where, **shard):  # each group is sharded once the loop moves on
         weights = loads.take_nf4(module, within=name)
         quantized |= quantize_weights(weights, device, first_turn=turn)
         turn += len(weights)

@@ -24,10 +24,15 @@ from torch.distributed.fsdp import (
     register_fsdp_forward_method,
 )
 
+from lightning_fsdp2.layout import Storage
 from lightning_fsdp2.peft_support import names_inside_adapter_layers
 
 ModulePolicy = Union[set[type[nn.Module]], Callable[[str, nn.Module], bool]]
 """A set of module classes, or a callable ``(qualified_name, module) -> bool`` that selects modules."""
+
+Where = Union[DeviceMesh, Callable[[str, nn.Module], Storage]]
+"""Where the groups' parameters are kept: one mesh for every group (split along their first dimension), or a callable
+``(group name, module) -> Storage`` asked group by group (the layout's :meth:`~lightning_fsdp2.layout.Layout.storage`)."""
 
 
 def default_block_classes(model: nn.Module) -> set[type[nn.Module]]:
@@ -100,15 +105,15 @@ def fsdp_roots(model: nn.Module) -> list[str]:
     return [n for n in groups if not any(inside(n, above) for above in groups)]
 
 
-def shard_model(model: nn.Module, mesh: DeviceMesh, policy: ModulePolicy | None = None, **options: Any) -> list[str]:
+def shard_model(model: nn.Module, where: Where, policy: ModulePolicy | None = None, **options: Any) -> list[str]:
     """Apply ``fully_shard`` to the selected modules bottom-up, then to the roots; return the groups' names.
     ``options`` are :func:`shard_groups`' keyword arguments; this runs it to the end."""
-    return [name for name, _ in shard_groups(model, mesh, policy, **options)]
+    return [name for name, _ in shard_groups(model, where, policy, **options)]
 
 
 def shard_groups(
     model: nn.Module,
-    mesh: DeviceMesh,
+    where: Where,
     policy: ModulePolicy | None = None,
     *,
     mp_policy: MixedPrecisionPolicy | None = None,
@@ -121,6 +126,7 @@ def shard_groups(
     """``fully_shard`` the selected modules bottom-up, then the roots, one group at a time: yields each group's
     ``(name, module)`` just *before* its ``fully_shard``, which runs when the caller asks for the next one (so a step
     can ready a group's parameters first: QLoRA stores them in NF4 there). Run it to the end (``shard_model`` does).
+    ``where``: the mesh of every group, or the layout's answer group by group (:data:`Where`).
 
     The roots are the children of ``model`` (the ``LightningModule``) that hold parameters, such as ``self.model``:
     FSDP2 gathers a root's remaining parameters (embeddings, final norm, head) when the root is *called*, so with
@@ -142,8 +148,8 @@ def shard_groups(
       one group only, so it is left to the enclosing group (at worst the root) that holds every user of it.
     """
     mp_policy = mp_policy or MixedPrecisionPolicy()
+    storage = where if callable(where) and not isinstance(where, DeviceMesh) else lambda _n, _m: Storage(where)
     kwargs = {
-        "mesh": mesh,
         # `output_dtype` is what the model's outputs are cast to: the roots' outputs. Cast at every block, a block's
         # fp32 output would meet the next block's (or the head's) low-precision weights.
         "mp_policy": dataclasses.replace(mp_policy, output_dtype=None),
@@ -158,7 +164,7 @@ def shard_groups(
     for name in [] if roots_only else reversed(block_names(model, policy)):
         module = model.get_submodule(name)
         yield name, module
-        fully_shard(module, **kwargs)
+        fully_shard(module, **kwargs, **_stored(storage(name, module)))
         sharded += 1
     if not sharded and not roots_only and _rank0():
         warnings.warn(
@@ -175,12 +181,17 @@ def shard_groups(
         root = model.get_submodule(name)
         if not isinstance(root, FSDPModule):  # a child the policy selected is a group, and a root, already
             yield name, root
-            fully_shard(root, **kwargs)
+            fully_shard(root, **kwargs, **_stored(storage(name, root)))
         # `generate` does not go through the root's forward (peft's calls the Hugging Face model's, which calls the
         # prompt encoder or reads its weight): registered as a forward method, it gathers the root's parameters
         # (embeddings, head, prompt encoder) as forward does.
         if callable(getattr(root, "generate", None)):
             register_fsdp_forward_method(root, "generate")
+
+
+def _stored(storage: Storage) -> dict[str, Any]:
+    """``fully_shard``'s keyword arguments for ``storage``."""
+    return {"mesh": storage.mesh, "shard_placement_fn": storage.placement}
 
 
 def _rank0() -> bool:
