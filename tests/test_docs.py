@@ -4,6 +4,7 @@ Fast: nothing here starts processes."""
 
 from __future__ import annotations
 
+import ast
 import importlib.util
 import inspect
 import re
@@ -61,6 +62,34 @@ def test_api_reference_lists_what_users_import_and_nothing_else() -> None:
     for internal in ("lightning_fsdp2.parallel", "lightning_fsdp2.layout", "lightning_fsdp2.options",
                      "lightning_fsdp2.peft_support", "lightning_fsdp2.wrap"):
         assert f"## `{internal}`" not in text, internal
+
+
+def test_every_type_a_signature_in_the_api_reference_names_is_explained_there() -> None:
+    """A reader meets `ModulePolicy` or `Estimate` in a signature of docs/api.md and finds it on the page: each name
+    the package defines that a signature uses (a base class's members are listed with the class) has a heading; and a
+    strategy's properties from its internal base (`layout`, `device_mesh`) are listed with the strategy."""
+    import importlib
+    import pkgutil
+
+    import lightning_fsdp2
+
+    text = (DOCS / "api.md").read_text()
+    headings = set(re.findall(r"(?m)^### (\w+)$", text))
+    blocks = re.findall(r"(?s)```python\n(.*?)```", text)
+    bases = {b.strip() for block in blocks for group in re.findall(r"^class \w+\(([^)]*)\)", block, re.M)
+             for b in group.split(",")}
+    ours = set()  # the classes and module-level names the package defines (not those it imports)
+    for info in pkgutil.walk_packages(lightning_fsdp2.__path__, "lightning_fsdp2."):
+        module = importlib.import_module(info.name)
+        ours |= {n for n, o in vars(module).items() if inspect.isclass(o) and o.__module__ == info.name}
+        ours |= {t.id for node in ast.parse(inspect.getsource(module)).body if isinstance(node, ast.Assign)
+                 for t in node.targets if isinstance(t, ast.Name)}
+    named = {n for block in blocks for n in re.findall(r"\b[A-Z]\w+\b", block)} & ours
+    assert "ModulePolicy" in named and "Estimate" in named
+    assert not named - headings - bases, f"named in signatures but not explained: {sorted(named - headings - bases)}"
+    strategy = text.split("### FSDP2Strategy", 1)[1].split("\n### ", 1)[0]
+    for inherited in ("`layout`", "`device_mesh`", "`layout_choice`", "`distributed_sampler_kwargs`"):
+        assert inherited in strategy, inherited
 
 
 def test_the_strategy_options_page_shows_every_argument_with_its_default() -> None:

@@ -50,8 +50,9 @@ def test_the_sizes_by_name_lay_out_the_processes_as_the_positional_forms() -> No
         resolve({"tensor": 2}, tensor=4)
     with pytest.raises(ValueError, match="do not split into 3"):
         resolve({"replicate": 3})
-    with pytest.raises(ValueError, match=r"device_mesh=\{'shard': 3\}\): 1 x 3 = 3, but there are 8 processes"):
-        resolve({"shard": 3})  # named in the form given
+    with pytest.raises(ValueError, match=r"device_mesh=\{'shard': 3\}\): 1 x 3 = 3, but there are 8 processes") as err:
+        resolve({"shard": 3})  # named in the form given, and so is the advice
+    assert 'Choose {"replicate": ..., "shard": ...}' in str(err.value) and "(replicate, shard)" not in str(err.value)
     assert resolve({"replicate": 1}) == resolve(None)  # a dimension of one rank is none
 
 

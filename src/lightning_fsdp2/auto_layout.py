@@ -60,6 +60,8 @@ NF4_BYTES_PER_ELEMENT = 0.5 + 1 / 64 + 4 / (64 * 256)
 """torchao's NF4: 4 bits a weight, one int8 scaler per block of 64, one float factor per 256 scalers."""
 
 BatchShape = tuple[int, int]
+"""``(sequences per rank per step, tokens per sequence)``: the shape of a training batch, for the activations'
+estimate."""
 
 
 @dataclass(frozen=True)

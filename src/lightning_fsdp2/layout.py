@@ -202,11 +202,14 @@ class Layout:
             + ([f"tensor_parallel_size={tensor}"] if tensor > 1 and (option is None or len(option) == 2) else []))
         if replicate * shard * tensor != world_size:
             product = f"{replicate} x {shard}" + (f" x {tensor}" if tensor > 1 else "")
+            named = shown.startswith("device_mesh={")  # the advice in the form the user wrote
+            sizes = '{"replicate": ..., "shard": ...}' if named else "(replicate, shard)"
             raise ValueError(
                 f"FSDP2Strategy({shown}): {product} = {replicate * shard * tensor}, but there are {world_size}"
-                f" processes (devices x num_nodes). Choose (replicate, shard) with replicate x shard"
+                f" processes (devices x num_nodes). Choose {sizes} with replicate x shard"
                 f"{' x tensor' if tensor > 1 else ''} = {world_size}, e.g. shard = the devices per node"
-                f" ({devices_per_node}{f' / {tensor}' if tensor > 1 else ''}) and replicate = the number of nodes."
+                f" ({devices_per_node}{f' / {tensor}' if tensor > 1 else ''}) and replicate = the number of nodes"
+                + (' (or leave "shard" out: it takes the processes the others leave).' if named else ".")
             )
         # Tensor parallelism talks inside every layer's forward and backward: on the slow link between nodes it would
         # stall each of them. Its groups are the innermost dimension (adjacent ranks): they stay in one node when

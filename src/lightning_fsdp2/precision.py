@@ -37,6 +37,8 @@ from lightning_fsdp2.layout import is_split
 from lightning_fsdp2.peft_support import adapter_tensors
 
 FSDP2PrecisionType = Literal["32-true", "bf16-true", "16-true", "bf16-mixed", "16-mixed"]
+"""The precisions FSDP2 runs in, as Lightning names them: ``*-true`` stores the parameters in that dtype, ``*-mixed``
+stores them in fp32 and computes in the low dtype."""
 
 _LOW_DTYPE: dict[str, torch.dtype] = {
     "bf16-true": torch.bfloat16,

@@ -53,6 +53,8 @@ if TYPE_CHECKING:
     import lightning.pytorch as pl
 
 StartMethod = Literal["popen", "spawn", "fork", "forkserver"]
+"""How Lightning starts the processes (``FSDP2Strategy(start_method=...)``): ``"popen"`` re-runs the script, the others
+start them through ``torch.multiprocessing``."""
 
 
 class FSDP2Strategy(FrontEndCore, ParallelStrategy):
@@ -306,8 +308,8 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
     ) -> None:
         """Write ``checkpoint`` atomically: one file streamed by rank 0 (``"full"``) or a directory from all ranks
         (``"sharded"``, in the background with ``async_save``). Every rank must call it (``trainer.save_checkpoint``
-        does): the shards come from all of them, into rank 0's ``filepath`` (under Ray Train, each into its own: see
-        ``_checkpoint_target``)."""
+        does): the shards come from all of them, into rank 0's ``filepath`` (under Ray Train, each rank's into the
+        ``filepath`` that rank was given: see docs/launching.md)."""
         assert self.model is not None
         self.wait_for_checkpoint()  # one save at a time: the previous one is complete (and in place) first
         trainable_only = self._trainable_only(self._parallelized)
