@@ -14,6 +14,9 @@ import lightning as L
 import pytest
 import torch
 
+from lightning_fsdp2.lockstep import (
+    AHEAD, BEHIND, BETWEEN, DIVERGED, FAILED, FAILED_HERE, FINISHED, SAME_PLACE, PeerWatch, relation,
+)
 from tests.helpers import run_distributed
 from tests.models import LlamaModule, quiet_trainer_kwargs, tiny_llama_config, world
 
@@ -101,6 +104,66 @@ def test_unmatched_forward_timeout_is_checked_at_construction(value: Any, kind: 
 
     with pytest.raises(kind, match="unmatched_forward_timeout"):  # a bad value; another type (every option's rule)
         FSDP2Strategy(unmatched_forward_timeout=value)
+
+
+# ------------------------------------------------------------------------------- how a peer's record is read
+def _record(seq: int, method: str | None = None, **more: Any) -> dict[str, Any]:
+    """A record as a rank publishes it: ``seq`` phases entered between steps, inside the last one (``method``, its
+    outermost phase) or done with it (None)."""
+    return {"phase": "in it", "seq": seq, "trail": 0, "method": method, "saving": False, "lost": False,
+            "final": False, **more}
+
+
+_IN_STEP = _record(3, "training_step")  # waiting in the 3rd phase entered between steps, a training step
+_IN_VALIDATION = _record(5, "validation_step")  # waiting in a validation step (a phase some ranks may skip)
+
+
+@pytest.mark.parametrize(("mine", "theirs", "expected"), [
+    (_IN_STEP, _record(3, "training_step"), SAME_PLACE),
+    (_IN_STEP, _record(3, "validation_step"), DIVERGED),  # another phase at the same count: other collectives
+    (_IN_STEP, _record(3), AHEAD),  # done with the phase this rank waits in
+    (_IN_STEP, _record(4, "training_step"), AHEAD),
+    (_IN_STEP, _record(3, "training_step", trail=7), DIVERGED),  # the same count after other phases
+    (_IN_STEP, _record(2), BEHIND),  # between steps before it
+    (_IN_STEP, _record(2, "training_step"), BEHIND),
+    (_IN_VALIDATION, _record(4), BETWEEN),  # not there yet, or skipped the validation step: cannot tell
+    (_IN_VALIDATION, _record(3), BEHIND),  # further behind: it has phases to enter before this one
+    (_IN_VALIDATION, _record(4, "training_step"), BEHIND),  # in a step: it has not skipped anything yet
+    (_IN_STEP, _record(3, "training_step", lost=True), FAILED_HERE),  # its wait failed here: a consequence
+    (_IN_STEP, _record(2, "training_step", lost=True), DIVERGED),  # its wait failed elsewhere
+    (_IN_STEP, _record(4, "training_step", lost=True), AHEAD),
+    (_IN_STEP, _record(3, phase="finished (its run ended)", final=True), FINISHED),
+    (_IN_STEP, _record(1, phase="finished (its run ended)", final=True), FINISHED),  # behind, yet it ended
+    (_IN_STEP, _record(2, phase="stopped by ValueError (bad...)", final=True), FAILED),  # the cause
+    # The Trainer's last word after a PeerLostError: where it waited counts, not that it stopped.
+    (_IN_STEP, _record(3, "training_step", phase="stopped by PeerLostError (...)", final=True, lost=True),
+     FAILED_HERE),
+])
+def test_a_peers_record_is_related_to_this_ranks(mine: dict[str, Any], theirs: dict[str, Any], expected: str) -> None:
+    assert relation(mine, theirs) == expected
+
+
+def test_a_peer_behind_is_compared_with_this_ranks_trail_at_its_count() -> None:
+    """Behind by position, a peer is behind only if it entered the same phases as this rank up to there (its trail
+    equals this rank's at its count); a count whose trail this rank no longer keeps is told by position alone."""
+    mine, trails = _record(3, "training_step", trail=30), {2: 20, 3: 30}
+    assert relation(mine, _record(2, trail=20), trails) == BEHIND
+    assert relation(mine, _record(2, trail=99), trails) == DIVERGED
+    assert relation(mine, _record(1, trail=99), trails) == BEHIND
+
+
+def test_the_watch_pickles_without_its_live_parts() -> None:
+    """Lightning's spawn launcher pickles the strategy before any process group exists: the watch drops the mesh's
+    groups (a closure over the strategy), the board its store, lock and thread."""
+    import pickle
+    import threading
+
+    watch = PeerWatch(7)
+    watch._groups = lambda: [threading.Lock()]
+    watch._board._lock, watch._board._stop = threading.Lock(), threading.Event()
+    copy = pickle.loads(pickle.dumps(watch))
+    assert copy.timeout == 7 and copy._groups() == () and not copy.active
+    assert copy._board._lock is None and copy._board._stop is None
 
 
 # ------------------------------------------------------------------------------- a peer that stopped taking part
