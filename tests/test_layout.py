@@ -40,8 +40,8 @@ def test_the_sizes_by_name_lay_out_the_processes_as_the_positional_forms() -> No
     assert resolve({"replicate": 2}) == resolve((2, 4))
     assert resolve({"tensor": 2}) == resolve(None, tensor=2) == resolve({"shard": 4}, tensor=2)
     assert resolve({"tensor": 2}).names == ("shard", "tensor")
-    with pytest.raises(ValueError, match=r"\['expert'\] name no dimension of the layout; the dimensions are"):
-        FSDP2Strategy(device_mesh={"shard": 2, "expert": 2})
+    with pytest.raises(ValueError, match=r"\['pipeline'\] name no dimension of the layout; the dimensions are"):
+        FSDP2Strategy(device_mesh={"shard": 2, "pipeline": 2})
     with pytest.raises(ValueError, match="each size is a positive int"):
         FSDP2Strategy(device_mesh={"shard": 0})
     with pytest.raises(TypeError, match="each size is a positive int"):
@@ -134,10 +134,10 @@ class LastDimStored(Layout):
     """A layout that keeps every parameter split along its last dimension (FSDP2's default is its first): what a
     dimension that stores some groups otherwise (expert parallelism's experts) asks of the rest of the package."""
 
-    def storage(self, mesh, group, module):
+    def storage(self, mesh, group, module, expert_mesh=None):
         from torch.distributed.tensor import Shard
 
-        return replace(super().storage(mesh, group, module), placement=lambda p: Shard(p.ndim - 1))
+        return replace(super().storage(mesh, group, module, expert_mesh), placement=lambda p: Shard(p.ndim - 1))
 
 
 def _fit_stored_by_last_dim(pretrained: str, epochs: int, save_to: str | None, resume_from: str | None) -> dict:
@@ -241,7 +241,7 @@ AUTO = {"device_mesh": "auto"}
     ({"verify_checkpoints": "yes"}, TypeError),
     # the type it takes, a value it cannot be: ValueError
     ({"device_mesh": (2, 0)}, ValueError), ({"device_mesh": (2,)}, ValueError), ({"device_mesh": "Auto"}, ValueError),
-    ({"device_mesh": {"shard": 0}}, ValueError), ({"device_mesh": {"expert": 2}}, ValueError),
+    ({"device_mesh": {"shard": 0}}, ValueError), ({"device_mesh": {"pipeline": 2}}, ValueError),
     ({**AUTO, "memory_budget": "lots"}, ValueError), ({**AUTO, "memory_budget": -1}, ValueError),
     ({**AUTO, "batch_shape": (4,)}, ValueError), ({**AUTO, "batch_shape": (0, 16)}, ValueError),
     ({"tensor_parallel_size": 0}, ValueError), ({"tensor_parallel_plan": {}}, ValueError),

@@ -114,6 +114,8 @@ def _lora(arch: str, dropout: float = 0.0):
     from peft import LoraConfig
 
     targets = ["qkv_proj", "o_proj"] if arch == "phi3" else ["q_proj", "v_proj", "o_proj", "down_proj"]
+    if arch in ("qwen3_moe", "mixtral"):  # attention only: peft would adapt the fused experts' down_proj too
+        targets = ["q_proj", "v_proj", "o_proj"]
     return LoraConfig(r=4, lora_alpha=8, lora_dropout=dropout, target_modules=targets, init_lora_weights=False)
 
 

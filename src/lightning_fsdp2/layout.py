@@ -11,6 +11,10 @@ The dimensions, outermost (slowest-varying rank) first:
 * ``"shard"``: FSDP's shard groups, consecutive ranks; each parameter is split over them.
 * ``"tensor"``: tensor parallelism's groups, the innermost (adjacent ranks, so a group stays inside a node): the
   layers the plan names are split over them (``tensor_parallel.py``), and they compute one batch together.
+* ``"expert"``: expert parallelism's groups, carved out of the shard dimension (torchtitan's and transformers' way:
+  not a factor of the world size): each shard group is split into groups of ``expert`` adjacent ranks, each rank of a
+  group holding whole experts of every MoE layer and the tokens routed to them travelling within the group
+  (``expert_parallel.py``); ranks at the same place in different groups hold the same experts, sharded over them.
 
 ``"replicate"`` and ``"shard"`` are *data-parallel*: ranks at different coordinates on them read different batches;
 ranks that differ only on ``"tensor"`` read the same one. Where FSDP2 keeps each group's parameters (on which ranks,
@@ -33,6 +37,8 @@ from torch.distributed.tensor import Shard
 REPLICATE = "replicate"
 SHARD = "shard"
 TENSOR = "tensor"
+EXPERT = "expert"
+EXPERT_SHARD = "expert_shard"  # the expert mesh's part of "shard" across expert groups: ranks holding the same experts
 
 
 @dataclass(frozen=True)
@@ -43,15 +49,19 @@ class Dimension:
     data_parallel: bool
     """Ranks at different coordinates on it read different batches (a step's loss is averaged over them, the sampler
     splits the data over them, their random streams differ); ranks that differ only on the others share a batch."""
+    within: str | None = None
+    """The dimension whose ranks it splits into groups (``"expert"`` splits ``"shard"``), rather than a dimension of
+    the mesh of its own: its size divides that one's and is no factor of the world size."""
 
 
 DIMENSIONS = (Dimension(REPLICATE, data_parallel=True), Dimension(SHARD, data_parallel=True),
-              Dimension(TENSOR, data_parallel=False))
+              Dimension(EXPERT, data_parallel=True, within=SHARD), Dimension(TENSOR, data_parallel=False))
 """Every dimension a layout may have, in mesh order (outermost, slowest-varying rank first). A new kind of parallelism
 is one more entry here, one more option, and one more step of ``parallel.parallelize`` (see docs/how-it-works.md)."""
 
-DATA_PARALLEL = tuple(d.name for d in DIMENSIONS if d.data_parallel)
-"""The dimensions over which ranks read different data (ranks that differ only on the others share a batch)."""
+DATA_PARALLEL = tuple(d.name for d in DIMENSIONS if d.data_parallel and d.within is None)
+"""The mesh dimensions over which ranks read different data (ranks that differ only on the others share a batch; a
+dimension within another reads what that one does)."""
 
 MeshOption = tuple[int, int] | tuple[int, int, int] | Mapping[str, int] | DeviceMesh | None
 """What ``FSDP2Strategy(device_mesh=...)`` takes: ``None`` (shard over every process), ``(replicate, shard)``,
@@ -72,6 +82,8 @@ class Storage:
     the first keeps a parameter whose first is short (a few experts over many ranks) from padding most ranks' pieces;
     the checkpoints, the loads and the initialization read each tensor's own placements, so any is saved, resumed and
     loaded alike."""
+    divide_gradients_by: int | None = None
+    """What the group's reduced gradients are divided by (``None``: FSDP2's default, the ranks of ``mesh``)."""
 
 
 def check_mesh_option(device_mesh: Any) -> MeshOption:
@@ -128,15 +140,39 @@ def check_tensor_given_once(device_mesh: Any, tensor_parallel_size: int) -> None
         )
 
 
-def check_tensor_parallel_size(size: Any) -> int:
-    """``tensor_parallel_size`` as the strategies keep it, or a ``TypeError`` (not an int) or ``ValueError`` (below 1),
-    at construction."""
+def check_expert_given_once(device_mesh: Any, expert_parallel_size: int) -> None:
+    """Refuse two different expert-parallel sizes, one in ``device_mesh`` and one as ``expert_parallel_size``, and an
+    expert dimension a layout form cannot carry (a ready ``DeviceMesh``, ``"auto"``): at construction, and again by
+    :meth:`Layout.resolve`."""
+    given = device_mesh.get(EXPERT) if isinstance(device_mesh, Mapping) else None
+    if given is not None and expert_parallel_size not in (1, given):
+        raise ValueError(
+            f"FSDP2Strategy(device_mesh={dict(device_mesh)!r}, expert_parallel_size={expert_parallel_size}): give the"
+            " expert-parallel size once, in device_mesh or as expert_parallel_size."
+        )
+    if expert_parallel_size > 1 and (isinstance(device_mesh, DeviceMesh) or device_mesh == "auto"):
+        form = "a ready DeviceMesh" if isinstance(device_mesh, DeviceMesh) else "device_mesh='auto'"
+        raise ValueError(
+            f"FSDP2Strategy(expert_parallel_size={expert_parallel_size}) with {form}: expert parallelism carves its"
+            " groups out of the layout's shard dimension, which it builds itself. Pass device_mesh=None or the sizes"
+            f" (e.g. {{'shard': N, 'expert': {expert_parallel_size}}}) instead."
+        )
+
+
+def check_parallel_size(size: Any, option: str, what: str) -> int:
+    """A ``*_parallel_size`` option as the strategies keep it, or a ``TypeError`` (not an int) or ``ValueError``
+    (below 1), at construction. ``what``: the ranks it counts, for the message."""
     if not _positive_int(size):
         raise (ValueError if _int(size) else TypeError)(
-            f"FSDP2Strategy(tensor_parallel_size={size!r}): a positive int, the ranks each layer the tensor-parallel"
-            " plan names is split over (1, the default: no tensor parallelism)."
+            f"FSDP2Strategy({option}={size!r}): a positive int, {what} (1, the default: none)."
         )
     return size
+
+
+def check_tensor_parallel_size(size: Any) -> int:
+    """``tensor_parallel_size`` as the strategies keep it (:func:`check_parallel_size`)."""
+    return check_parallel_size(size, "tensor_parallel_size",
+                               "the ranks each layer the tensor-parallel plan names is split over")
 
 
 @dataclass(frozen=True)
@@ -149,19 +185,24 @@ class Layout:
     sizes: tuple[int, ...]
     given: DeviceMesh | None = field(default=None, compare=False, repr=False)
     """The user's own mesh, used as it is by :meth:`build_mesh`."""
+    expert: int = 1
+    """Ranks per expert group (the ``"expert"`` dimension, within ``"shard"``; 1: no expert parallelism)."""
 
     @classmethod
     def resolve(
-        cls, option: MeshOption, world_size: int, devices_per_node: int, device_type: str, tensor_parallel_size: int = 1
+        cls, option: MeshOption, world_size: int, devices_per_node: int, device_type: str, tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
     ) -> Layout:
         """The layout ``FSDP2Strategy(device_mesh=option, tensor_parallel_size=...)`` asks for on ``world_size``
         processes, ``devices_per_node`` of them per node; a ``ValueError`` that says what to change if it cannot
         work. Pure: the same on every rank, so every rank raises together, before any collective."""
         check_tensor_given_once(option, tensor_parallel_size)
+        check_expert_given_once(option, expert_parallel_size)
         shown = None  # the user's own form, for the messages
         if isinstance(option, Mapping):
             shown = f"device_mesh={dict(option)}" + (
                 f", tensor_parallel_size={tensor_parallel_size}" if tensor_parallel_size > 1 else "")
+            expert_parallel_size = max(option.get(EXPERT, 1), expert_parallel_size)  # given once (checked above)
             option, tensor_parallel_size = _positional(option, world_size, tensor_parallel_size)
         if isinstance(option, DeviceMesh):
             layout = cls._from_mesh(option, world_size, device_type)
@@ -188,9 +229,38 @@ class Layout:
         else:
             replicate, shard = option[0], option[1]
         cls._check_fits(option, replicate, shard, tensor, world_size, devices_per_node, shown)
+        cls._check_expert(expert_parallel_size, shard, tensor, devices_per_node, shown)
         names = ((REPLICATE,) if option is not None else ()) + (SHARD,) + ((TENSOR,) if tensor > 1 else ())
         sizes = ((replicate,) if option is not None else ()) + (shard,) + ((tensor,) if tensor > 1 else ())
-        return cls(names, sizes)
+        return cls(names, sizes, expert=expert_parallel_size)
+
+    @staticmethod
+    def _check_expert(expert: int, shard: int, tensor: int, devices_per_node: int, shown: str | None) -> None:
+        if expert == 1:
+            return
+        shown = shown or f"expert_parallel_size={expert}"
+        if tensor > 1:
+            raise ValueError(
+                f"FSDP2Strategy({shown}, tensor size {tensor}): expert and tensor parallelism together do not run yet."
+                " Keep one of the two: expert parallelism for a mixture-of-experts model, or tensor parallelism"
+                " without expert_parallel_size."
+            )
+        if shard % expert:
+            fits = [d for d in range(2, shard + 1) if shard % d == 0]
+            raise ValueError(
+                f"FSDP2Strategy({shown}): expert groups of {expert} ranks are carved out of the shard groups of"
+                f" {shard} ranks (the ranks one replica spans), and {expert} does not divide {shard}. Choose an"
+                f" expert_parallel_size among {fits or [1]}."
+            )
+        # The experts' tokens travel by all-to-all inside every MoE layer, forward and backward: across the slow link
+        # between nodes each layer would wait on it. Groups of adjacent ranks stay in one node when their size divides
+        # the devices per node.
+        if devices_per_node % expert:
+            raise ValueError(
+                f"FSDP2Strategy({shown}): expert groups of {expert} ranks straddle nodes of {devices_per_node} devices,"
+                " and their all-to-alls run inside every MoE layer. Choose an expert_parallel_size that divides the"
+                f" devices per node ({devices_per_node})."
+            )
 
     @staticmethod
     def _check_fits(
@@ -262,6 +332,8 @@ class Layout:
     # ------------------------------------------------------------------------------------------- sizes and ranks
     def size(self, name: str) -> int:
         """Ranks along dimension ``name`` (1 for a dimension the layout does not have)."""
+        if name == EXPERT:
+            return self.expert
         return self.sizes[self.names.index(name)] if name in self.names else 1
 
     @property
@@ -307,13 +379,41 @@ class Layout:
         kept = tuple(name for name in self.names if name in DATA_PARALLEL)
         return mesh if kept == self.names else mesh[self._mesh_names(mesh, kept)]
 
-    def storage(self, mesh: DeviceMesh, group: str, module: nn.Module) -> Storage:
+    def storage(self, mesh: DeviceMesh, group: str, module: nn.Module, expert_mesh: DeviceMesh | None = None) -> Storage:
         """Where FSDP2 keeps the parameters group ``group`` (``module``, a qualified name under the model) claims:
-        asked group by group by ``wrap.shard_groups``. Every group on the data-parallel part of ``mesh``
-        (:meth:`fsdp_mesh`), each parameter split along its first dimension. Per group, because a kind of parallelism
-        that places some parameters itself (expert parallelism: each rank holds whole experts of its group) has FSDP
-        keep those on other ranks than the dense ones: this is where it says so (FSDP2 takes one mesh per group)."""
-        return Storage(self.fsdp_mesh(mesh))
+        asked group by group by ``wrap.shard_groups``. Per group, because FSDP2 takes one mesh per group, and a
+        dimension that places some parameters itself keeps those on other ranks than the dense ones.
+
+        Dense groups: the data-parallel part of ``mesh`` (:meth:`fsdp_mesh`), each parameter split along its first
+        dimension. A group whose own parameters the expert dimension splits (:meth:`holds_experts`; ``expert_mesh``,
+        :meth:`expert_mesh`'s, which they live on): sharded over the ranks holding the same experts (and replicated
+        over ``"replicate"``), its gradients divided by every data-parallel rank: each rank's expert gradient already
+        sums the tokens of its whole expert group (they reached it by all-to-all), and FSDP would divide by its own
+        ranks only."""
+        if expert_mesh is None or not self.holds_experts(module):
+            return Storage(self.fsdp_mesh(mesh))
+        kept = tuple(name for name in (REPLICATE, EXPERT_SHARD) if name in (expert_mesh.mesh_dim_names or ()))
+        return Storage(expert_mesh[kept], divide_gradients_by=self.data_parallel_size)
+
+    def holds_experts(self, module: nn.Module) -> bool:
+        """Whether ``module``'s own parameters are split over the expert dimension (expert parallelism's experts)."""
+        from torch.distributed.tensor import DTensor
+
+        return any(isinstance(p, DTensor) and EXPERT in (p.device_mesh.mesh_dim_names or ())
+                   for p in module.parameters(recurse=False))
+
+    def expert_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
+        """``mesh`` with its shard dimension split into ``("expert_shard", "expert")`` (the ranks holding the same
+        experts, then the expert groups' adjacent ranks) and a last dimension of one rank, ``"expert_alone"``
+        (transformers' styles take the ranks sharing a batch as a mesh: none here), one root with ``mesh`` so that
+        FSDP2 composes the experts' placements with its own; ``None`` without expert parallelism. Makes process
+        groups: called once per set-up, by the expert step, on every rank."""
+        if self.expert == 1:
+            return None
+        shard = self.names.index(SHARD)
+        named = self._mesh_names(mesh, (SHARD,))[0] if mesh.mesh_dim_names else shard
+        return mesh._unflatten(named, (self.shard_size // self.expert, self.expert, 1),
+                               (EXPERT_SHARD, EXPERT, "expert_alone"))
 
     def sub_mesh(self, mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh | None:
         """The part of ``mesh`` along the dimensions ``names`` (those of them this layout has with more than one

@@ -28,6 +28,8 @@ from lightning_fsdp2.layout import (
     MeshOption,
     check_mesh_option,
     check_tensor_given_once,
+    check_expert_given_once,
+    check_parallel_size,
     check_tensor_parallel_size,
 )
 from lightning_fsdp2.tensor_parallel import TensorParallelPlan, check_plan_option, check_tensor_parallel_options
@@ -66,6 +68,15 @@ class LayoutOptions:
             "parallelism). The ranks of a group compute one batch together: ``distributed_sampler_kwargs`` count "
             "data-parallel ranks only."
         ),
+        "expert_parallel_size": (
+            "expert parallelism for a mixture-of-experts model: each shard group is split into groups of this many "
+            "adjacent ranks (it must divide the shard group and the devices per node), each rank holding "
+            "``num_experts / N`` whole experts of every MoE layer, sharded by FSDP2 over the ranks that hold the same "
+            "ones, and the tokens routed to an expert sent to its rank and back by all-to-all (dropless, as in one "
+            "process). Dense weights stay sharded over every data-parallel rank, and every rank still reads its own "
+            "batch. The model's own plan (a Hugging Face config's ``base_model_ep_plan``) with transformers' "
+            "expert-parallel styles. Also ``device_mesh={\"shard\": S, \"expert\": N}``. 1 (default): none."
+        ),
         "memory_budget": (
             "with ``device_mesh=\"auto\"``, the bytes each rank may use (an int, or ``\"20GiB\"``/``\"80GB\"``); default: "
             "the device's free memory (on CPU, the available memory divided among the node's processes), the smallest "
@@ -80,6 +91,7 @@ class LayoutOptions:
 
     device_mesh: MeshOption | Literal["auto"] = None
     tensor_parallel_size: int = 1
+    expert_parallel_size: int = 1
     memory_budget: int | None = None
     batch_shape: BatchShape | None = None
 
@@ -89,6 +101,7 @@ class LayoutOptions:
         *,
         device_mesh: MeshOption | Literal["auto"] = None,
         tensor_parallel_size: int = 1,
+        expert_parallel_size: int = 1,
         memory_budget: int | str | None = None,
         batch_shape: BatchShape | None = None,
     ) -> LayoutOptions:
@@ -96,6 +109,9 @@ class LayoutOptions:
         mesh = "auto" if auto else check_mesh_option(device_mesh)
         size = check_tensor_parallel_size(tensor_parallel_size)
         check_tensor_given_once(mesh, size)
+        experts = check_parallel_size(expert_parallel_size, "expert_parallel_size",
+                                      "the ranks of one expert group, whose experts each holds a share of")
+        check_expert_given_once(mesh, experts)
         budget = check_memory_budget(memory_budget)
         check_batch_shape(batch_shape, "FSDP2Strategy")
         if not auto and (budget is not None or batch_shape is not None):
@@ -110,7 +126,7 @@ class LayoutOptions:
                 " layouts (replicated, HSDP, fully sharded) only. With tensor parallelism give the layout:"
                 f" device_mesh=(replicate, shard, {size}) or tensor_parallel_size alone."
             )
-        return cls(mesh, size, budget, tuple(batch_shape) if batch_shape is not None else None)  # type: ignore[arg-type]
+        return cls(mesh, size, experts, budget, tuple(batch_shape) if batch_shape is not None else None)  # type: ignore[arg-type]
 
     @property
     def auto(self) -> bool:
@@ -120,7 +136,7 @@ class LayoutOptions:
     def resolve(self, world_size: int, devices_per_node: int, device_type: str) -> Layout:
         assert not self.auto
         return Layout.resolve(self.device_mesh, world_size, devices_per_node, device_type,  # type: ignore[arg-type]
-                              self.tensor_parallel_size)
+                              self.tensor_parallel_size, self.expert_parallel_size)
 
 
 @dataclass(frozen=True)

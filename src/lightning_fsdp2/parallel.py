@@ -14,11 +14,13 @@ in the module named):
 3. :func:`broadcast_real_tensors`: tensors built for real are made the same on every rank (rank 0's), so shards of
    one tensor fit together;
 4. ``tensor_parallel.apply_tensor_parallel``: with a tensor dimension in the layout, the layers the plan names are
-   split over it (the model's own plan, or ``tensor_parallel_plan``), LoRA adapters with them;
+   split over it (the model's own plan, or ``tensor_parallel_plan``), LoRA adapters with them; then
+   ``expert_parallel.apply_expert_parallel``: with an expert dimension, the experts of each MoE layer are divided
+   among the ranks of an expert group and the tokens routed to them by all-to-all (the model's own plan);
 5. :func:`apply_checkpointing_and_compile`: activation checkpointing, then ``torch.compile`` of each block
    (``blocks.py``), before any FSDP hook exists;
-6. :func:`apply_fully_shard`: ``fully_shard`` bottom-up, then the roots (``wrap.py``), over the layout's
-   data-parallel mesh; weights loaded with ``quantize="nf4"`` are quantized group by group (``quantize.py``);
+6. :func:`apply_fully_shard`: ``fully_shard`` bottom-up, then the roots (``wrap.py``), each group where the layout
+   keeps it (``Layout.storage``: the data-parallel mesh; the experts on their own); weights loaded with ``quantize="nf4"`` are quantized group by group (``quantize.py``);
 7. ``wrap.schedule_blocks`` (prefetching) and :func:`apply_root_hooks` (activation offloading, the roots' forwards
    outside training made to wait for every rank for a bounded time: ``forward_guard.py``);
 8. :func:`apply_values`: each rank materializes its own shards, initializes what no pretrained weights cover
@@ -49,6 +51,7 @@ from torch.distributed.fsdp import FSDPModule, MixedPrecisionPolicy
 from lightning_fsdp2.auto_layout import AutoLayout, LayoutChoice, choose_layout
 from lightning_fsdp2.checkpoint.module_load import install_load_hooks
 from lightning_fsdp2.checkpoint.pretrained import PlannedLoads
+from lightning_fsdp2.expert_parallel import apply_expert_parallel
 from lightning_fsdp2.forward_guard import guard_forwards
 from lightning_fsdp2.init import (
     check_initialized,
@@ -71,7 +74,15 @@ from lightning_fsdp2.quantize import shard_quantizing
 from lightning_fsdp2.step_access import make_step_accessible
 from lightning_fsdp2.peft_support import check_peft_supported, untrainable_reason
 from lightning_fsdp2.tensor_parallel import apply_tensor_parallel, broadcast_replicas
-from lightning_fsdp2.wrap import block_names, fsdp_roots, innermost, schedule_blocks, shard_model
+from lightning_fsdp2.wrap import (
+    ModulePolicy,
+    block_names,
+    fsdp_roots,
+    innermost,
+    resolve_policy,
+    schedule_blocks,
+    shard_model,
+)
 
 
 class ModulePrecision(Protocol):
@@ -204,10 +215,12 @@ def parallelize(
     assert mesh is not None
     broadcast_real_tensors(module, device)
     apply_tensor_parallel(module, layout, mesh, options.tensor_parallel.plan, pretrained.quantizes)
+    expert_mesh = apply_expert_parallel(module, layout, mesh, pretrained.quantizes)
     blocks = innermost(block_names(module, options.shard.auto_wrap_policy))
     apply_checkpointing_and_compile(module, blocks, options)
     plain = {p for p in module.parameters() if not p.requires_grad} if choice and choice.chosen.frozen_plain else None
-    quantized = apply_fully_shard(module, mesh, layout, options, precision, pretrained, device, module_is_root, plain)
+    quantized = apply_fully_shard(module, mesh, layout, options, precision, pretrained, device, module_is_root, plain,
+                                  expert_mesh)
     schedule_blocks(module, [] if plain else blocks, forward=options.prefetch.forward,
                     backward=options.prefetch.backward, reshard_last=options.prefetch.reshard_last_block)
     apply_root_hooks(module, options)
@@ -280,15 +293,21 @@ def apply_fully_shard(
     device: torch.device,
     module_is_root: bool,
     plain: set[nn.Parameter] | None = None,
+    expert_mesh: DeviceMesh | None = None,
 ) -> set[str]:
     """``fully_shard`` bottom-up, then the roots (``wrap.py``), each group kept where the layout says
     (:meth:`Layout.storage`: over the data-parallel part of ``mesh``); with weights loaded with ``quantize="nf4"``, group by group, each group's stored in NF4 just before its
     ``fully_shard`` (``quantize.py``). ``plain``: parameters FSDP2 leaves alone (``device_mesh="auto"``'s whole
     replicas: the frozen ones stay plain tensors, and the roots alone are groups, so the trained parameters are
-    gathered and reduced once per step). Return the names of the weights stored in NF4."""
+    gathered and reduced once per step). ``expert_mesh``: expert parallelism's (its experts are groups of their own,
+    kept on it). Return the names of the weights stored in NF4."""
     shard = options.shard
+    policy: ModulePolicy | None = shard.auto_wrap_policy
+    if expert_mesh is not None:  # FSDP2 takes one mesh per group: the experts, kept apart, are groups of their own
+        blocks = resolve_policy(policy, module)
+        policy = lambda name, sub: blocks(name, sub) or layout.holds_experts(sub)  # noqa: E731
     arguments = {
-        "policy": shard.auto_wrap_policy,
+        "policy": policy,
         "mp_policy": shard.mixed_precision or precision.mixed_precision_policy,
         "offload_policy": shard.offload_policy,
         "reshard_after_forward": shard.reshard_after_forward,
@@ -296,7 +315,7 @@ def apply_fully_shard(
     }
     if plain:
         arguments.update(ignored_params=plain, roots_only=True)
-    where = functools.partial(layout.storage, mesh)
+    where = functools.partial(layout.storage, mesh, expert_mesh=expert_mesh)
     if pretrained.quantizes:
         return shard_quantizing(module, where, pretrained, layout.shard_size, device, **arguments)
     shard_model(module, where, **arguments)

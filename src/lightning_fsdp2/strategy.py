@@ -79,6 +79,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         batch_shape: tuple[int, int] | None = None,
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: TensorParallelPlan = None,
+        expert_parallel_size: int = 1,
         activation_checkpointing_every: int = 1,
         activation_checkpointing_save: SavePolicy | None = None,
         compile: bool | dict[str, Any] = False,

@@ -164,7 +164,7 @@ def shard_groups(
     for name in [] if roots_only else reversed(block_names(model, policy)):
         module = model.get_submodule(name)
         yield name, module
-        fully_shard(module, **kwargs, **_stored(storage(name, module)))
+        _fully_shard(module, storage(name, module), kwargs)
         sharded += 1
     if not sharded and not roots_only and _rank0():
         warnings.warn(
@@ -181,7 +181,7 @@ def shard_groups(
         root = model.get_submodule(name)
         if not isinstance(root, FSDPModule):  # a child the policy selected is a group, and a root, already
             yield name, root
-            fully_shard(root, **kwargs, **_stored(storage(name, root)))
+            _fully_shard(root, storage(name, root), kwargs)
         # `generate` does not go through the root's forward (peft's calls the Hugging Face model's, which calls the
         # prompt encoder or reads its weight): registered as a forward method, it gathers the root's parameters
         # (embeddings, head, prompt encoder) as forward does.
@@ -189,9 +189,16 @@ def shard_groups(
             register_fsdp_forward_method(root, "generate")
 
 
-def _stored(storage: Storage) -> dict[str, Any]:
-    """``fully_shard``'s keyword arguments for ``storage``."""
-    return {"mesh": storage.mesh, "shard_placement_fn": storage.placement}
+def _fully_shard(module: nn.Module, storage: Storage, kwargs: dict[str, Any]) -> None:
+    """``fully_shard(module)`` kept as ``storage`` says, with the group's other arguments ``kwargs``."""
+    fully_shard(module, mesh=storage.mesh, shard_placement_fn=storage.placement, **kwargs)
+    if storage.divide_gradients_by is not None:
+        module.set_gradient_divide_factor(storage.divide_gradients_by)  # type: ignore[operator]
+        # A divide factor of its own makes FSDP2 reduce-scatter with a pre-multiplied sum, which gloo does not
+        # implement: a plain sum and a division after it give the same gradients on any backend. Not over one rank,
+        # where torch 2.13 skips the collective and would then divide twice (measured).
+        if storage.mesh.size(storage.mesh.ndim - 1) > 1:
+            module.set_force_sum_reduction_for_comms(True)  # type: ignore[operator]
 
 
 def _rank0() -> bool:
