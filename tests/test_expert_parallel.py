@@ -172,3 +172,134 @@ def test_layouts_expert_parallelism_cannot_take_are_refused_at_construction_or_r
         FSDP2Strategy(expert_parallel_size="2")
     with pytest.raises(ValueError, match=r"expert_parallel_size=0\): a positive int"):
         FSDP2Strategy(expert_parallel_size=0)
+
+
+def _accumulate_and_clip(base: str, arch: str) -> dict:
+    """Every weight trained under EP 2: two half-batches per step (the first under no_backward_sync), the gradients
+    clipped to a norm of 0.5 (one norm over the dense and the expert meshes), 3 SGD steps."""
+    fabric, model = _fabric_model(arch, base, None, {"expert_parallel_size": 2})
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    split = fabric.strategy.distributed_sampler_kwargs
+    synced = []
+    for batch in _batches(3, split["num_replicas"], split["rank"]):
+        for i, half in enumerate(batch.chunk(2)):
+            with fabric.no_backward_sync(model, enabled=i == 0):
+                fabric.backward(model(input_ids=half, labels=half).loss / 2)
+            if i == 0:
+                synced.append(any(p.grad is not None for p in model.parameters()))
+        fabric.clip_gradients(model, optimizer, max_norm=0.5)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"state": full_state(model), "synced": synced}
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+def test_accumulation_and_clipping_under_expert_parallelism_match_one_process(arch: str, tmp_path) -> None:
+    """Qwen3-MoE and Mixtral (each its own plan) at EP 2, accumulating two half-batches per step without reducing the
+    first, the gradient norm clipped: the weights of one process's 3 clipped whole-batch steps (<= 1e-4)."""
+    base, _ = _pretrained(arch, str(tmp_path), lora=False)
+    want = _fabric_reference(arch, base, None, steps=3, clip=0.5)
+    for rank in run_distributed(_accumulate_and_clip, 2, base, arch):
+        assert not any(rank["synced"])
+        _assert_matches(rank, want, f"{arch}: accumulation and clipping under EP 2")
+
+
+def _trainer_fit(base: str, strategy: dict | None) -> dict:
+    """The Trainer: a LightningModule that builds the tiny Qwen3-MoE in configure_model and loads it with
+    load_pretrained, 3 SGD steps over the unshuffled data (Lightning's own sampler splits it among data-parallel
+    ranks, as Lightning's own sampler would without shuffling); `strategy` None: one process, Lightning's default strategy, no code of this package in the step."""
+    import lightning as L
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from lightning_fsdp2 import FSDP2Strategy, load_pretrained
+    from tests.models import TokenDataset, data_parallel_split, quiet_trainer_kwargs, tiny_model, world
+
+    class Module(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = None
+            self.losses: list[float] = []
+
+        def configure_model(self) -> None:
+            if self.model is None:
+                self.model = tiny_model("qwen3_moe")[0]
+                load_pretrained(self.model, base)
+
+        def training_step(self, batch, _index):
+            loss = self.model(input_ids=batch, labels=batch).loss
+            self.losses.append(float(loss.detach()))
+            return loss
+
+        def configure_optimizers(self):
+            return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+        def train_dataloader(self):  # unshuffled, rank r taking samples r, r + N...: together one process's batch
+            dataset, sampler = TokenDataset(24), None
+            if strategy is not None:
+                sampler = DistributedSampler(dataset, shuffle=False, **data_parallel_split(self))
+            return DataLoader(dataset, batch_size=8 // (world() if strategy is not None else 1), sampler=sampler)
+
+    module = Module()
+    if strategy is None:
+        module.configure_model()
+    trainer = L.Trainer(accelerator="cpu", devices=world() if strategy is not None else 1, max_steps=3,
+                        strategy=FSDP2Strategy(**strategy) if strategy is not None else "auto",
+                        limit_val_batches=0, num_sanity_val_steps=0, **quiet_trainer_kwargs())
+    trainer.fit(module)
+    state = full_state(module) if strategy is not None else {
+        k: v.detach().clone() for k, v in module.state_dict().items()}
+    return {"state": state, "losses": module.losses}
+
+
+def test_the_trainer_under_expert_parallelism_matches_one_process(tmp_path) -> None:
+    """`Trainer(strategy=FSDP2Strategy(expert_parallel_size=2))` at world size 2: the weights of one process's run
+    with Lightning's own strategy (<= 1e-4)."""
+    base, _ = _pretrained("qwen3_moe", str(tmp_path), lora=False)
+    want = run_distributed(_trainer_fit, 1, base, None)[0]
+    for rank in run_distributed(_trainer_fit, 2, base, {"expert_parallel_size": 2}):
+        _assert_matches(rank, want, "Trainer under EP 2")
+
+
+def _exports(base: str, adapter: str, out: str) -> dict:
+    """LoRA on attention trained 2 steps under EP 2, then the adapter and the merged model saved and greedy tokens
+    generated (every rank the same prompt, its experts reached by all-to-all at each token)."""
+    import os
+
+    from lightning_fsdp2.lora import save_adapter, save_merged
+    from tests.models import TokenDataset
+    from tests.test_tensor_parallel import _fabric_tp
+
+    result = _fabric_tp("qwen3_moe", base, adapter, 2, {"expert_parallel_size": 2})
+    model = result.pop("model")
+    save_adapter(model, os.path.join(out, "adapter"))
+    save_merged(model, os.path.join(out, "merged"))
+    with torch.no_grad():
+        generated = model.generate(input_ids=TokenDataset(2).data[:, :6], max_new_tokens=5, do_sample=False)
+    return {"generated": generated}
+
+
+def test_adapters_merged_models_and_generate_under_expert_parallelism_are_one_processs(tmp_path) -> None:
+    """After 2 steps at EP 2: save_adapter writes the adapter peft writes for one process, save_merged the merged
+    model (every expert gathered whole) one process's merge_and_unload writes, and greedy generate() the same tokens
+    on every rank as one process."""
+    from peft import PeftModel
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    from tests.models import TokenDataset
+    from tests.test_tensor_parallel import _train_loop
+
+    base, adapter = _pretrained("qwen3_moe", str(tmp_path), lora=True)
+    model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter, is_trainable=True)
+    _train_loop(None, model, 2, 1, 0)
+    model.save_pretrained(tmp_path / "want-adapter")
+    with torch.no_grad():
+        generated = model.generate(input_ids=TokenDataset(2).data[:, :6], max_new_tokens=5, do_sample=False)
+    model.merge_and_unload().save_pretrained(tmp_path / "want-merged")
+    for rank in run_distributed(_exports, 2, base, adapter, str(tmp_path / "ours")):
+        assert torch.equal(rank["generated"], generated)
+    for what, file in (("adapter", "adapter_model.safetensors"), ("merged", "model.safetensors")):
+        ours, want = load_file(tmp_path / "ours" / what / file), load_file(tmp_path / f"want-{what}" / file)
+        assert ours.keys() == want.keys(), what
+        worst = max((ours[k] - want[k]).abs().max().item() for k in want)
+        assert worst <= 1e-4, f"{what}: {worst}"
