@@ -300,6 +300,8 @@ def tiny_model(name: str):
     builders = {
         "qwen3_moe": lambda: tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(
             **lm, moe_intermediate_size=32, num_experts=4, num_experts_per_tok=2)),
+        "qwen3_moe_2": lambda: tf.Qwen3MoeForCausalLM(tf.Qwen3MoeConfig(  # fewer experts than ranks sharing them
+            **lm, moe_intermediate_size=32, num_experts=2, num_experts_per_tok=2)),
         "llama": lambda: tf.LlamaForCausalLM(tiny_llama_config()),
         "qwen2_moe": lambda: tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
             **lm, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)),

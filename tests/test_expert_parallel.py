@@ -134,8 +134,8 @@ def _refusal(case: str, base: str) -> str:
 
 @pytest.mark.parametrize(("case", "message"), [
     ("no-plan", "LlamaForCausalLM has no expert-parallel plan"),
-    ("uneven", "has 4 experts per MoE layer, and each rank of an expert group holds an equal share of them. Choose"
-               " an expert_parallel_size among [2, 4]"),
+    ("uneven", "has 4 experts per MoE layer, and each rank of an expert group holds an equal share of them. No size"
+               " above 1 divides both the 4 experts and the shard group of 3 ranks"),
     ("lora-on-experts", "peft adapters on the experts (['model.layers.0.mlp.experts'"),
     ("qlora", "(QLoRA) does not run with expert parallelism"),
 ])
@@ -162,8 +162,12 @@ def test_layouts_expert_parallelism_cannot_take_are_refused_at_construction_or_r
         resolve(None, expert=3)
     with pytest.raises(ValueError, match="expert groups of 2 ranks straddle nodes of 1 devices"):
         resolve(None, per_node=1, expert=2)
-    with pytest.raises(ValueError, match="expert and tensor parallelism together do not run yet"):
+    with pytest.raises(ValueError, match=r"tensor_parallel_size=2\): expert and tensor parallelism together do not"):
         resolve(None, expert=2, tensor=2)
+    with pytest.raises(ValueError, match="With one rank per shard group there is no room for expert groups"):
+        resolve({"replicate": 2, "expert": 2}, world=2, per_node=2)
+    with pytest.raises(ValueError, match='"expert" is no factor of the product'):
+        resolve({"shard": 1, "expert": 2}, world=2, per_node=2)
     with pytest.raises(ValueError, match="give the expert-parallel size once"):
         FSDP2Strategy(device_mesh={"expert": 2}, expert_parallel_size=4)
     with pytest.raises(ValueError, match="expert parallelism carves its groups out of the layout's shard dimension"):
@@ -193,9 +197,9 @@ def _accumulate_and_clip(base: str, arch: str) -> dict:
     return {"state": full_state(model), "synced": synced}
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
 def test_accumulation_and_clipping_under_expert_parallelism_match_one_process(arch: str, tmp_path) -> None:
-    """Qwen3-MoE and Mixtral (each its own plan) at EP 2, accumulating two half-batches per step without reducing the
+    """Qwen3-MoE, Mixtral and Qwen2-MoE (its shared expert dense, each its own plan) at EP 2, accumulating two half-batches per step without reducing the
     first, the gradient norm clipped: the weights of one process's 3 clipped whole-batch steps (<= 1e-4)."""
     base, _ = _pretrained(arch, str(tmp_path), lora=False)
     want = _fabric_reference(arch, base, None, steps=3, clip=0.5)
@@ -338,3 +342,45 @@ def test_fresh_experts_are_initialized_per_piece_and_checkpointed_layers_run() -
         assert torch.isfinite(torch.tensor(rank["loss"]))
         assert 0.01 < rank["std"] < 0.03  # initializer_range 0.02
     assert not torch.equal(ranks[0]["experts"], ranks[1]["experts"])
+
+
+def _expert_gradient(base: str, strategy: dict, precision: str) -> float:
+    """The norm of the first layer's expert gradient after one backward at world size 2, in ``precision``."""
+    import lightning as L
+
+    from lightning_fsdp2 import load_pretrained
+    from lightning_fsdp2.fabric import FSDP2Strategy
+    from tests.models import tiny_model
+
+    fabric = L.Fabric(accelerator="cpu", devices=2, strategy=FSDP2Strategy(**strategy), precision=precision)
+    fabric.launch()
+    with fabric.init_module():
+        model = tiny_model("qwen3_moe")[0]
+        load_pretrained(model, base)
+    model = fabric.setup_module(model)
+    batch = _batches(1, 2, fabric.global_rank)[0]
+    fabric.backward(model(input_ids=batch, labels=batch).loss)
+    return float(model.module.model.layers[0].mlp.experts.gate_up_proj.grad.full_tensor().float().norm())
+
+
+@pytest.mark.parametrize("precision", ["16-true", "bf16-true"])
+def test_expert_gradients_in_low_precision_are_those_of_fsdp_alone(precision: str, tmp_path) -> None:
+    """In fp16 and bf16 the experts' gradients under EP 2 are FSDP alone's (within the dtype's rounding): FSDP2's
+    own division of fp16 gradients, around a reduction over one rank, would halve them at EP 2; the experts' groups
+    reduce in fp32 there."""
+    base, _ = _pretrained("qwen3_moe", str(tmp_path), lora=False)
+    ep = run_distributed(_expert_gradient, 2, base, {"expert_parallel_size": 2}, precision)
+    fsdp = run_distributed(_expert_gradient, 2, base, {}, precision)
+    assert ep[0] == pytest.approx(fsdp[0], rel=0.02), (ep, fsdp)
+
+
+def test_fewer_experts_than_ranks_sharing_them_are_split_by_rows_and_match_one_process(tmp_path) -> None:
+    """2 experts per layer at world size 4 as EP 2 x FSDP 2: one expert per rank of a group, shared by 2 ranks, is
+    split along its rows (no rank holding padding only); fully trained, the weights of one process (<= 1e-4)."""
+    base, _ = _pretrained("qwen3_moe_2", str(tmp_path), lora=False)
+    want = _fabric_reference("qwen3_moe_2", base, None, steps=3)
+    for rank in run_distributed(_fabric_tp_result, 4, "qwen3_moe_2", base, None, 3, {"expert_parallel_size": 2}):
+        experts = {n: v for n, v in rank["placements"].items() if ".mlp.experts." in n}
+        for name, (names, split, local) in experts.items():
+            assert split[names.index("expert_shard")] == "Shard(dim=1)" and local[0] == 1, (name, names, split, local)
+        _assert_matches(rank, want, "2 experts at EP 2 x FSDP 2")

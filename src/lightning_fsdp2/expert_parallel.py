@@ -54,7 +54,7 @@ def apply_expert_parallel(module: nn.Module, layout: Layout, mesh: DeviceMesh, q
             f" (expert_parallel_size={size}) yet: NF4 quantizes the FSDP shards of whole weights, and the experts are"
             " divided first. Drop expert_parallel_size, or load the base unquantized."
         )
-    plans = expert_plans(module, size)
+    plans = expert_plans(module, size, layout.shard_size)
     expert_mesh = layout.expert_mesh(mesh)
     assert expert_mesh is not None
     for model, plan in plans:
@@ -62,10 +62,11 @@ def apply_expert_parallel(module: nn.Module, layout: Layout, mesh: DeviceMesh, q
     return expert_mesh
 
 
-def expert_plans(module: nn.Module, size: int) -> list[tuple[nn.Module, dict[str, str]]]:
+def expert_plans(module: nn.Module, size: int, shard: int) -> list[tuple[nn.Module, dict[str, str]]]:
     """Each outermost Hugging Face model in ``module`` with its expert-parallel plan expanded by transformers to its
     concrete experts; a ``ValueError`` naming what cannot run: no model with a plan, a style not run here, experts
-    that do not divide by ``size``, peft adapters on the experts."""
+    that do not divide by ``size`` (the sizes offered instead also divide the ``shard`` group), peft adapters on the
+    experts."""
     try:
         from transformers import PreTrainedModel
     except ImportError:  # pragma: no cover - transformers is a dependency
@@ -91,11 +92,14 @@ def expert_plans(module: nn.Module, size: int) -> list[tuple[nn.Module, dict[str
         config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
         experts = getattr(config, "num_experts", None) or getattr(config, "num_local_experts", None)
         if isinstance(experts, int) and experts % size:
-            fits = [d for d in range(2, experts + 1) if experts % d == 0]
+            fits = [d for d in range(2, experts + 1) if experts % d == 0 and shard % d == 0]
+            advice = (f"Choose an expert_parallel_size among {fits}." if fits else
+                      f"No size above 1 divides both the {experts} experts and the shard group of {shard} ranks:"
+                      " train this model without expert_parallel_size, or on a number of ranks that the experts"
+                      " divide.")
             raise ValueError(
                 f"FSDP2Strategy(expert_parallel_size={size}): {type(model).__name__} has {experts} experts per MoE"
-                f" layer, and each rank of an expert group holds an equal share of them. Choose an"
-                f" expert_parallel_size among {fits or [1]}."
+                f" layer, and each rank of an expert group holds an equal share of them. {advice}"
             )
         _check_no_adapters_on_experts(model, plan, size)
         result.append((model, model._expand_parallel_plan(plan)))
@@ -111,6 +115,8 @@ def _check_no_adapters_on_experts(model: nn.Module, plan: dict[str, str], size: 
     if wrapped:
         raise ValueError(
             f"FSDP2Strategy(expert_parallel_size={size}): peft adapters on the experts ({wrapped[:3]}) do not run with"
-            " expert parallelism yet. Put the adapters on the attention and dense layers (target_modules, the experts"
-            " frozen), or train the experts in full, or drop expert_parallel_size."
+            " expert parallelism yet: a target_modules entry that names an expert tensor (\"down_proj\","
+            " \"all-linear\") or target_parameters puts them there. Put the adapters on the attention and dense"
+            " layers (e.g. target_modules=[\"q_proj\", \"k_proj\", \"v_proj\", \"o_proj\"], the experts frozen), or"
+            " train the experts in full, or drop expert_parallel_size."
         )

@@ -241,16 +241,19 @@ class Layout:
         shown = shown or f"expert_parallel_size={expert}"
         if tensor > 1:
             raise ValueError(
-                f"FSDP2Strategy({shown}, tensor size {tensor}): expert and tensor parallelism together do not run yet."
+                f"FSDP2Strategy({shown}, tensor_parallel_size={tensor}): expert and tensor parallelism together do not"
+                " run yet."
                 " Keep one of the two: expert parallelism for a mixture-of-experts model, or tensor parallelism"
                 " without expert_parallel_size."
             )
         if shard % expert:
             fits = [d for d in range(2, shard + 1) if shard % d == 0]
+            advice = (f"Choose an expert_parallel_size among {fits}." if fits else
+                      "With one rank per shard group there is no room for expert groups: give fewer replicas"
+                      " (\"replicate\") so that the shard groups have ranks to carve them from, or drop the expert size.")
             raise ValueError(
                 f"FSDP2Strategy({shown}): expert groups of {expert} ranks are carved out of the shard groups of"
-                f" {shard} ranks (the ranks one replica spans), and {expert} does not divide {shard}. Choose an"
-                f" expert_parallel_size among {fits or [1]}."
+                f" {shard} ranks (the ranks one replica spans), and {expert} does not divide {shard}. {advice}"
             )
         # The experts' tokens travel by all-to-all inside every MoE layer, forward and backward: across the slow link
         # between nodes each layer would wait on it. Groups of adjacent ranks stay in one node when their size divides
@@ -280,6 +283,8 @@ class Layout:
                 f"{' x tensor' if tensor > 1 else ''} = {world_size}, e.g. shard = the devices per node"
                 f" ({devices_per_node}{f' / {tensor}' if tensor > 1 else ''}) and replicate = the number of nodes"
                 + (' (or leave "shard" out: it takes the processes the others leave).' if named else ".")
+                + (' "expert" is no factor of the product: its groups are carved out of "shard".'
+                   if named and f"'{EXPERT}'" in shown else "")
             )
         # Tensor parallelism talks inside every layer's forward and backward: on the slow link between nodes it would
         # stall each of them. Its groups are the innermost dimension (adjacent ranks): they stay in one node when
@@ -393,7 +398,15 @@ class Layout:
         if expert_mesh is None or not self.holds_experts(module):
             return Storage(self.fsdp_mesh(mesh))
         kept = tuple(name for name in (REPLICATE, EXPERT_SHARD) if name in (expert_mesh.mesh_dim_names or ()))
-        return Storage(expert_mesh[kept], divide_gradients_by=self.data_parallel_size)
+        sharing = expert_mesh[EXPERT_SHARD].size()  # ranks holding the same experts
+
+        def placement(param: nn.Parameter) -> Shard:
+            # A rank's experts split along the expert dimension again, unless there are fewer of them than ranks
+            # sharing them: then by rows (torchtitan's choice), so that no rank's piece is padding only.
+            local = param.shape[0] // self.expert
+            return Shard(1) if local % sharing and param.ndim > 1 and param.shape[1] % sharing == 0 else Shard(0)
+
+        return Storage(expert_mesh[kept], placement, divide_gradients_by=self.data_parallel_size)
 
     def holds_experts(self, module: nn.Module) -> bool:
         """Whether ``module``'s own parameters are split over the expert dimension (expert parallelism's experts)."""
