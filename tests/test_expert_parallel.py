@@ -384,3 +384,30 @@ def test_fewer_experts_than_ranks_sharing_them_are_split_by_rows_and_match_one_p
         for name, (names, split, local) in experts.items():
             assert split[names.index("expert_shard")] == "Shard(dim=1)" and local[0] == 1, (name, names, split, local)
         _assert_matches(rank, want, "2 experts at EP 2 x FSDP 2")
+
+
+def _with_balancing_loss(base: str, strategy: dict) -> dict:
+    """Every weight trained 3 SGD steps with the router's load-balancing loss in the loss (`output_router_logits`)."""
+    fabric, model = _fabric_model("qwen3_moe", base, None, strategy)
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    split = fabric.strategy.distributed_sampler_kwargs
+    aux = []
+    for batch in _batches(3, split["num_replicas"], split["rank"]):
+        out = model(input_ids=batch, labels=batch, output_router_logits=True)
+        aux.append(float(out.aux_loss))
+        fabric.backward(out.loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"state": full_state(model), "aux": aux}
+
+
+def test_the_balancing_loss_under_expert_parallelism_is_fsdp_alones(tmp_path) -> None:
+    """With the router's load-balancing loss on, each data-parallel rank computes it over its own batch, so a
+    data-parallel run differs from one process by design; expert parallelism keeps exactly that: EP 2 equals FSDP
+    alone at world size 2 (<= 1e-4), the balancing loss reported alike."""
+    base, _ = _pretrained("qwen3_moe", str(tmp_path), lora=False)
+    ep = run_distributed(_with_balancing_loss, 2, base, {"expert_parallel_size": 2})
+    fsdp = run_distributed(_with_balancing_loss, 2, base, {})
+    for mine, theirs in zip(ep, fsdp):
+        assert all(a > 0 for a in mine["aux"]) and mine["aux"] == pytest.approx(theirs["aux"], abs=1e-5)
+        _assert_matches(mine, theirs, "balancing loss: EP 2 against FSDP alone")
