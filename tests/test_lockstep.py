@@ -255,6 +255,7 @@ def _outcomes(tmp_path: Path) -> list[dict[str, Any]]:
     return [json.loads((tmp_path / f"{rank}.json").read_text()) for rank in range(2)]
 
 
+@pytest.mark.slow  # ~22 s: it waits out the bound
 def test_a_rank_stuck_in_its_own_code_is_named_within_the_bound(tmp_path: Path) -> None:
     """Rank 1 sleeps in training_step at batch 3: rank 0, in that batch's all-gathers, raises PeerLostError after
     the bound (not the process group's 30 minutes), saying rank 1 is at the same batch (stuck or slow)."""
@@ -297,6 +298,7 @@ def _fabric_stuck(out: str, sleeper: int = 1) -> None:
     _timed(train, out, fabric.global_rank)
 
 
+@pytest.mark.slow  # ~22 s: it waits out the bound
 def test_under_fabric_a_rank_stuck_before_its_forward_is_named_within_the_bound(tmp_path: Path) -> None:
     """Fabric's forwards are the user's calls: the precision plugin's forward_context (which Fabric's module wrapper
     runs around each) makes them phases. Rank 0, in its third forward's all-gather, raises PeerLostError after the
@@ -389,6 +391,7 @@ def _rank0_alone(how: str, tmp_path: Path) -> dict[str, Any]:
     return json.loads((tmp_path / "0.json").read_text())
 
 
+@pytest.mark.slow  # ~22 s: it waits out the bound
 def test_a_save_on_rank_0_alone_says_every_rank_must_call_it(tmp_path: Path) -> None:
     rank0 = _rank0_alone("save", tmp_path)
     assert rank0["type"] == "PeerLostError", rank0

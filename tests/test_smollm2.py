@@ -165,6 +165,7 @@ def _greedy(model: torch.nn.Module, tokenizer: Any, questions: list[str], max_ne
     return [tokenizer.decode(row, skip_special_tokens=True).strip() for row in out[:, batch["input_ids"].shape[1]:]]
 
 
+@pytest.mark.slow  # ~40 s: the demo's training on two layers
 def test_the_demos_exports_give_its_fine_tuned_answers_without_this_package(smollm2_two_layers: Path, tmp_path: Path) -> None:
     """The demo (its real task and tokenizer, two of the model's layers, 32-true so that one process computes what
     two did): the validation loss falls, and the adapter in peft and the merged model in transformers answer the
