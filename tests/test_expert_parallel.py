@@ -287,11 +287,10 @@ def test_adapters_merged_models_and_generate_under_expert_parallelism_are_one_pr
     model (every expert gathered whole) one process's merge_and_unload writes, and greedy generate() the same tokens
     on every rank as one process."""
     from peft import PeftModel
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     from tests.models import TokenDataset
-    from tests.test_tensor_parallel import _train_loop
+    from tests.test_tensor_parallel import _train_loop, assert_exports_match
 
     base, adapter = _pretrained("qwen3_moe", str(tmp_path), lora=True)
     model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter, is_trainable=True)
@@ -302,11 +301,7 @@ def test_adapters_merged_models_and_generate_under_expert_parallelism_are_one_pr
     model.merge_and_unload().save_pretrained(tmp_path / "want-merged")
     for rank in run_distributed(_exports, 2, base, adapter, str(tmp_path / "ours")):
         assert torch.equal(rank["generated"], generated)
-    for what, file in (("adapter", "adapter_model.safetensors"), ("merged", "model.safetensors")):
-        ours, want = load_file(tmp_path / "ours" / what / file), load_file(tmp_path / f"want-{what}" / file)
-        assert ours.keys() == want.keys(), what
-        worst = max((ours[k] - want[k]).abs().max().item() for k in want)
-        assert worst <= 1e-4, f"{what}: {worst}"
+    assert_exports_match(tmp_path)
 
 
 def _fresh_checkpointed(strategy: dict) -> dict:

@@ -724,7 +724,6 @@ def test_adapters_merged_models_and_generate_under_tensor_parallelism_are_one_pr
     model one process's merge_and_unload writes, and greedy generate() (KV cache of each rank's heads) gives the same
     tokens on every rank as one process."""
     from peft import PeftModel
-    from safetensors.torch import load_file
     from transformers import AutoModelForCausalLM
 
     base, adapter = _pretrained("llama", str(tmp_path), lora=True)
@@ -738,6 +737,13 @@ def test_adapters_merged_models_and_generate_under_tensor_parallelism_are_one_pr
     ranks = run_distributed(_exports, 2, base, adapter, str(tmp_path / "ours"), {"tensor_parallel_size": 2})
     for rank in ranks:
         assert torch.equal(rank["generated"], generated)
+    assert_exports_match(tmp_path)
+
+
+def assert_exports_match(tmp_path) -> None:
+    """The adapter and merged model written under `tmp_path/ours` equal one process's `tmp_path/want-*` (<= 1e-4)."""
+    from safetensors.torch import load_file
+
     for what, file in (("adapter", "adapter_model.safetensors"), ("merged", "model.safetensors")):
         ours, want = load_file(tmp_path / "ours" / what / file), load_file(tmp_path / f"want-{what}" / file)
         assert ours.keys() == want.keys(), what

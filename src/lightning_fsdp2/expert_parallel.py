@@ -67,11 +67,9 @@ def expert_plans(module: nn.Module, size: int, shard: int) -> list[tuple[nn.Modu
     concrete experts; a ``ValueError`` naming what cannot run: no model with a plan, a style not run here, experts
     that do not divide by ``size`` (the sizes offered instead also divide the ``shard`` group), peft adapters on the
     experts."""
-    try:
-        from transformers import PreTrainedModel
-    except ImportError:  # pragma: no cover - transformers is a dependency
-        PreTrainedModel = ()  # type: ignore[assignment]
-    models = [m for _, m in outermost(module, PreTrainedModel)] if PreTrainedModel else []
+    from transformers import PreTrainedModel  # a dependency: imported here, as the step is, only when EP is asked for
+
+    models = [m for _, m in outermost(module, PreTrainedModel)]
     planned = [(m, dict(getattr(m, "ep_plan", None) or {})) for m in models]
     planned = [(m, plan) for m, plan in planned if plan]
     if not planned:
