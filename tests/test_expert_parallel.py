@@ -117,11 +117,12 @@ def _refusal(case: str, base: str) -> str:
     from tests.models import tiny_model
 
     size = 3 if case == "uneven" else 2
-    fabric = L.Fabric(accelerator="cpu", devices=size, strategy=FSDP2Strategy(expert_parallel_size=size))
+    options = {"router_aux_loss": "global_batch"} if case == "dense-global-batch" else {"expert_parallel_size": size}
+    fabric = L.Fabric(accelerator="cpu", devices=size, strategy=FSDP2Strategy(**options))
     fabric.launch()
     try:
         with fabric.init_module():
-            model = tiny_model("llama" if case == "no-plan" else "qwen3_moe")[0]
+            model = tiny_model("llama" if case in ("no-plan", "dense-global-batch") else "qwen3_moe")[0]
             if case == "lora-on-experts":  # peft adapts the fused experts' down_proj tensors too
                 model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))
             if case == "qlora":
@@ -138,6 +139,7 @@ def _refusal(case: str, base: str) -> str:
                " above 1 divides both the 4 experts and the shard group of 3 ranks"),
     ("lora-on-experts", "peft adapters on the experts (['model.layers.0.mlp.experts'"),
     ("qlora", "(QLoRA) does not run with expert parallelism"),
+    ("dense-global-batch", "router_aux_loss='global_batch'): LlamaForCausalLM holds no Hugging Face mixture-of-experts"),
 ])
 def test_what_expert_parallelism_cannot_divide_is_refused_by_name_on_every_rank(case: str, message: str,
                                                                               tmp_path) -> None:
@@ -406,3 +408,104 @@ def test_the_balancing_loss_under_expert_parallelism_is_fsdp_alones(tmp_path) ->
     for mine, theirs in zip(ep, fsdp):
         assert all(a > 0 for a in mine["aux"]) and mine["aux"] == pytest.approx(theirs["aux"], abs=1e-5)
         _assert_matches(mine, theirs, "balancing loss: EP 2 against FSDP alone")
+
+
+COEF = 0.5  # the balancing loss weighted enough that computing it per rank leaves weights far from one process's
+
+
+def _global_batch_run(arch: str, base: str, strategy: dict) -> dict:
+    """3 SGD steps with momentum, every weight trained, the balancing loss in the loss (weight COEF)."""
+    fabric, model = _fabric_model(arch, base, None, strategy)
+    model.module.router_aux_loss_coef = COEF
+    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
+    split = fabric.strategy.distributed_sampler_kwargs
+    losses, aux = [], []
+    for batch in _batches(3, split["num_replicas"], split["rank"]):
+        out = model(input_ids=batch, labels=batch, output_router_logits=True)
+        losses.append(float(out.loss.detach()))
+        aux.append(float(out.aux_loss.detach()))
+        fabric.backward(out.loss)
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"state": full_state(model), "losses": losses, "aux": aux}
+
+
+def _global_batch_reference(base: str) -> dict:
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(base)
+    model.router_aux_loss_coef = COEF
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    losses, aux = [], []
+    for batch in _batches(3, 1, 0):
+        out = model(input_ids=batch, labels=batch, output_router_logits=True)
+        losses.append(float(out.loss.detach()))
+        aux.append(float(out.aux_loss.detach()))
+        out.loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses, "aux": aux}
+
+
+@pytest.mark.parametrize(("arch", "world", "strategy"), [
+    ("qwen3_moe", 2, {"expert_parallel_size": 2}),
+    ("qwen3_moe", 2, {}),  # FSDP alone: the option is data parallelism's, not expert parallelism's
+    ("mixtral", 2, {"expert_parallel_size": 2}),
+    pytest.param("qwen3_moe", 4, {"device_mesh": {"replicate": 2, "expert": 2}}, marks=pytest.mark.slow),
+], ids=["qwen3_moe-ep2", "qwen3_moe-fsdp2", "mixtral-ep2", "qwen3_moe-hsdp2-ep2"])
+def test_the_global_batch_balancing_loss_trains_as_one_process(arch: str, world: int, strategy: dict,
+                                                               tmp_path) -> None:
+    """router_aux_loss="global_batch": the experts' token counts summed over every data-parallel rank (across
+    replicas too), each rank's loss holding its share: 3 steps with the balancing loss weighted 0.5 give one process's
+    weights (<= 1e-4), the ranks' mean loss and mean aux_loss are one process's. The default ("per_rank") leaves the
+    weights visibly apart (> 1e-3): a strategy that ignored the option fails."""
+    base, _ = _pretrained(arch, str(tmp_path), lora=False)
+    want = _global_batch_reference(base)
+    ranks = run_distributed(_global_batch_run, world, arch, base, {**strategy, "router_aux_loss": "global_batch"})
+    for rank in ranks:
+        _assert_matches(rank, want, f"{arch} {strategy} global-batch balancing loss")
+    for key in ("losses", "aux"):
+        mean = [sum(r[key][i] for r in ranks) / world for i in range(3)]
+        assert mean == pytest.approx(want[key], abs=1e-5), key
+    if world == 2 and not strategy:
+        per_rank = run_distributed(_global_batch_run, 2, arch, base, strategy)[0]
+        worst = max((per_rank["state"][k] - want["state"][k]).abs().max().item() for k in want["state"])
+        assert worst > 1e-3, worst
+
+
+def _shares(arch: str) -> dict:
+    """Each rank's global-batch share, over its own half of a padded batch, and transformers' loss over its half."""
+    import torch.distributed as dist
+
+    from lightning_fsdp2.router_loss import global_batch_share
+
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    logits = tuple(torch.randn(2, 6, EXPERTS) for _ in range(3))  # 3 layers, 6 tokens per rank (2 sequences of 3)
+    mask = torch.ones(4, 3)
+    mask[1, 2:] = mask[3, 1:] = 0  # padding at the end of some sequences
+    mine = tuple(layer[rank].reshape(-1, EXPERTS).requires_grad_() for layer in logits)
+    share = global_batch_share(mine, EXPERTS, 2, mask[2 * rank:2 * rank + 2], dist.group.WORLD, 2)
+    share.backward()
+    return {"share": float(share), "grads": [t.grad for t in mine]}
+
+
+def test_the_global_batch_share_is_transformers_loss_over_the_whole_padded_batch() -> None:
+    """The two ranks' shares average to transformers' own load_balancing_loss_func over both ranks' tokens, padding
+    left out by the attention mask, and so do their gradients (each rank's share counted once, as data parallelism
+    averages)."""
+    from transformers.models.qwen3_moe.modeling_qwen3_moe import load_balancing_loss_func
+
+    ranks = run_distributed(_shares, 2, "qwen3_moe")
+    torch.manual_seed(0)
+    logits = tuple(torch.randn(2, 6, EXPERTS) for _ in range(3))
+    mask = torch.ones(4, 3)
+    mask[1, 2:] = mask[3, 1:] = 0
+    whole = tuple(layer.reshape(-1, EXPERTS).requires_grad_() for layer in logits)
+    want = load_balancing_loss_func(whole, EXPERTS, 2, mask)
+    want.backward()
+    assert sum(r["share"] for r in ranks) / 2 == pytest.approx(float(want), abs=1e-6)
+    for layer, grad in enumerate(t.grad for t in whole):
+        got = torch.cat([r["grads"][layer] for r in ranks]) / 2
+        torch.testing.assert_close(got, grad, atol=1e-6, rtol=0)

@@ -32,6 +32,7 @@ from lightning_fsdp2.layout import (
     check_parallel_size,
     check_tensor_parallel_size,
 )
+from lightning_fsdp2.router_loss import ROUTER_AUX_LOSS, RouterAuxLoss
 from lightning_fsdp2.tensor_parallel import TensorParallelPlan, check_plan_option, check_tensor_parallel_options
 from lightning_fsdp2.wrap import ModulePolicy
 
@@ -158,6 +159,34 @@ class TensorParallelOptions:
     @classmethod
     def from_arguments(cls, *, tensor_parallel_plan: TensorParallelPlan = None) -> TensorParallelOptions:
         return cls(check_plan_option(tensor_parallel_plan))
+
+
+@dataclass(frozen=True)
+class RouterLossOptions:
+    """Over which tokens a mixture-of-experts model's load-balancing loss is computed (``router_aux_loss``:
+    ``router_loss.py``)."""
+
+    ARGUMENTS: ClassVar[Mapping[str, str]] = {  # the front-ends' keywords, as their docs describe them
+        "router_aux_loss": (
+            "over which tokens a Hugging Face mixture-of-experts model's load-balancing loss "
+            "(``output_router_logits=True``, weighted by ``router_aux_loss_coef``) is computed: ``\"per_rank\"`` "
+            "(default) over each data-parallel rank's own batch, as data parallelism does (a run then differs from "
+            "one process by design); ``\"global_batch\"`` over the step's whole batch, the experts' token counts "
+            "summed over the data-parallel ranks (one small all-reduce per forward), so that training equals one "
+            "process's. The model's ``aux_loss`` is then this rank's share (their mean is one process's)."
+        ),
+    }
+
+    over: RouterAuxLoss = "per_rank"
+
+    @classmethod
+    def from_arguments(cls, *, router_aux_loss: RouterAuxLoss = "per_rank") -> RouterLossOptions:
+        if router_aux_loss not in ROUTER_AUX_LOSS:
+            raise _kind(router_aux_loss, str)(
+                f"FSDP2Strategy(router_aux_loss={router_aux_loss!r}): pass 'per_rank' (each data-parallel rank's own"
+                " batch, the default) or 'global_batch' (the step's whole batch, as one process)."
+            )
+        return cls(router_aux_loss)
 
 
 @dataclass(frozen=True)
@@ -547,6 +576,7 @@ class SaveOptions:
 _PARTS: dict[str, type] = {
     "layout": LayoutOptions,
     "tensor_parallel": TensorParallelOptions,
+    "router_loss": RouterLossOptions,
     "shard": ShardOptions,
     "checkpointing": CheckpointingOptions,
     "compile": CompileOptions,
@@ -566,6 +596,7 @@ class StrategyOptions:
 
     layout: LayoutOptions = LayoutOptions()
     tensor_parallel: TensorParallelOptions = TensorParallelOptions()
+    router_loss: RouterLossOptions = RouterLossOptions()
     shard: ShardOptions = ShardOptions()
     checkpointing: CheckpointingOptions = CheckpointingOptions()
     compile: CompileOptions = CompileOptions()

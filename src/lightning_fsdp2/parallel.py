@@ -17,6 +17,8 @@ in the module named):
    split over it (the model's own plan, or ``tensor_parallel_plan``), LoRA adapters with them; then
    ``expert_parallel.apply_expert_parallel``: with an expert dimension, the experts of each MoE layer are divided
    among the ranks of an expert group and the tokens routed to them by all-to-all (the model's own plan);
+   ``router_loss.apply_router_loss``: with ``router_aux_loss="global_batch"``, a mixture-of-experts model's
+   load-balancing loss is computed over every data-parallel rank's batch;
 5. :func:`apply_checkpointing_and_compile`: activation checkpointing, then ``torch.compile`` of each block
    (``blocks.py``), before any FSDP hook exists;
 6. :func:`apply_fully_shard`: ``fully_shard`` bottom-up, then the roots (``wrap.py``), each group where the layout
@@ -73,6 +75,7 @@ from lightning_fsdp2.options import StrategyOptions
 from lightning_fsdp2.quantize import shard_quantizing
 from lightning_fsdp2.step_access import make_step_accessible
 from lightning_fsdp2.peft_support import check_peft_supported, untrainable_reason
+from lightning_fsdp2.router_loss import apply_router_loss
 from lightning_fsdp2.tensor_parallel import apply_tensor_parallel, broadcast_replicas
 from lightning_fsdp2.wrap import (
     ModulePolicy,
@@ -216,6 +219,7 @@ def parallelize(
     broadcast_real_tensors(module, device)
     apply_tensor_parallel(module, layout, mesh, options.tensor_parallel.plan, pretrained.quantizes)
     expert_mesh = apply_expert_parallel(module, layout, mesh, pretrained.quantizes)
+    apply_router_loss(module, layout, mesh, options.router_loss.over)
     blocks = innermost(block_names(module, options.shard.auto_wrap_policy))
     apply_checkpointing_and_compile(module, blocks, options)
     plain = {p for p in module.parameters() if not p.requires_grad} if choice and choice.chosen.frozen_plain else None

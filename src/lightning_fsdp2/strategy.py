@@ -46,6 +46,7 @@ from lightning_fsdp2.lockstep import watched
 from lightning_fsdp2.options import StateDictType, StrategyOptions
 from lightning_fsdp2.parallel import Parallelized, check_not_rebuilt, no_gradient_sync
 from lightning_fsdp2.precision import FSDP2Precision
+from lightning_fsdp2.router_loss import RouterAuxLoss
 from lightning_fsdp2.tensor_parallel import TensorParallelPlan
 from lightning_fsdp2.wrap import ModulePolicy
 
@@ -80,6 +81,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: TensorParallelPlan = None,
         expert_parallel_size: int = 1,
+        router_aux_loss: RouterAuxLoss = "per_rank",
         activation_checkpointing_every: int = 1,
         activation_checkpointing_save: SavePolicy | None = None,
         compile: bool | dict[str, Any] = False,
