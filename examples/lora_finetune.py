@@ -36,6 +36,7 @@ from pathlib import Path
 
 import lightning as L
 import torch
+from lightning.pytorch.utilities import rank_zero_info
 from torch.utils.data import DataLoader
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules, wherever this is run from
@@ -263,6 +264,17 @@ def shown(val: list[Example], n: int) -> list[Example]:
     return picked[:n]
 
 
+def default_precision(accelerator: str, qlora: bool) -> str:
+    """``--precision auto``: bf16-true where bf16 is computed natively, 32-true where it would be emulated (CPUs
+    without AVX-512 BF16 or AMX run bf16 matmuls tens of times slower than fp32 ones). QLoRA's NF4 base computes in
+    bf16 either way."""
+    if qlora:
+        return "bf16-true"
+    if accelerator in ("cuda", "gpu") or (accelerator == "auto" and torch.cuda.is_available()):
+        return "bf16-true" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "32-true"
+    return "bf16-true" if torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported() else "32-true"
+
+
 def main() -> None:
     class Help(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
         """--help shows each default, and the description as written."""
@@ -274,7 +286,10 @@ def main() -> None:
     parser.add_argument("--accelerator", default="cpu")
     parser.add_argument("--devices", default="2", help="as Trainer(devices=...): a number, 'auto', or a list '0,1'")
     parser.add_argument("--num-nodes", type=int, default=1)
-    parser.add_argument("--precision", default="bf16-true", help="bf16-true, bf16-mixed, 32-true, ...")
+    parser.add_argument("--precision", default="auto",
+                        help="bf16-true, bf16-mixed, 32-true, ...; 'auto': bf16-true where the device computes in bf16"
+                             " natively (a CUDA GPU that supports it, a CPU with AVX-512 BF16 or AMX), or with --qlora,"
+                             " 32-true elsewhere (such CPUs emulate bf16 matmuls, tens of times slower than fp32)")
     parser.add_argument("--max-steps", type=int, default=40)
     parser.add_argument("--batch-size", type=int, default=8, help="per process")
     parser.add_argument("--rank", type=int, default=8, help="LoRA rank")
@@ -296,6 +311,9 @@ def main() -> None:
     parser.add_argument("--out", default="outputs/lora_finetune")
     args = parser.parse_args()
 
+    if args.precision == "auto":
+        args.precision = default_precision(args.accelerator, args.qlora)
+        rank_zero_info(f"--precision auto: {args.precision}")
     model_dir = Path(args.model) if args.model else smollm2()
     from transformers import AutoTokenizer
 

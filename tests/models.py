@@ -306,6 +306,9 @@ def tiny_model(name: str):
         "qwen2_moe": lambda: tf.Qwen2MoeForCausalLM(tf.Qwen2MoeConfig(
             **lm, moe_intermediate_size=32, shared_expert_intermediate_size=32, num_experts=4, num_experts_per_tok=2)),
         "mixtral": lambda: tf.MixtralForCausalLM(tf.MixtralConfig(**lm, num_local_experts=4, num_experts_per_tok=2)),
+        "gpt_oss": lambda: tf.GptOssForCausalLM(tf.GptOssConfig(  # experts with biases, attention sinks, windows
+            **{**lm, "intermediate_size": 32}, head_dim=16, num_local_experts=4, num_experts_per_tok=2,
+            sliding_window=8, layer_types=["sliding_attention", "full_attention"])),
         "gpt2": lambda: tf.GPT2LMHeadModel(tf.GPT2Config(vocab_size=128, n_embd=64, n_layer=2, n_head=4, n_positions=64)),
         "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**lm)),
         "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**lm, head_dim=16)),

@@ -17,6 +17,7 @@ from tests.test_tensor_parallel import (
     _fabric_model,
     _fabric_reference,
     _fabric_tp_result,
+    _placements,
     _pretrained,
 )
 
@@ -196,17 +197,19 @@ def _accumulate_and_clip(base: str, arch: str) -> dict:
         fabric.clip_gradients(model, optimizer, max_norm=0.5)
         optimizer.step()
         optimizer.zero_grad()
-    return {"state": full_state(model), "synced": synced}
+    return {"state": full_state(model), "synced": synced, "placements": _placements(model)}
 
 
-@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe"])
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"])
 def test_accumulation_and_clipping_under_expert_parallelism_match_one_process(arch: str, tmp_path) -> None:
-    """Qwen3-MoE, Mixtral and Qwen2-MoE (its shared expert dense, each its own plan) at EP 2, accumulating two half-batches per step without reducing the
-    first, the gradient norm clipped: the weights of one process's 3 clipped whole-batch steps (<= 1e-4)."""
+    """Qwen3-MoE, Mixtral, Qwen2-MoE (its shared expert dense) and gpt-oss (its experts' biases divided with them),
+    each by its own plan, at EP 2, accumulating two half-batches per step without reducing the first, the gradient
+    norm clipped: the weights of one process's 3 clipped whole-batch steps (<= 1e-4)."""
     base, _ = _pretrained(arch, str(tmp_path), lora=False)
     want = _fabric_reference(arch, base, None, steps=3, clip=0.5)
     for rank in run_distributed(_accumulate_and_clip, 2, base, arch):
         assert not any(rank["synced"])
+        _check_experts_divided(rank["placements"], expert=2, shard=1)
         _assert_matches(rank, want, f"{arch}: accumulation and clipping under EP 2")
 
 
@@ -509,3 +512,42 @@ def test_the_global_batch_share_is_transformers_loss_over_the_whole_padded_batch
     for layer, grad in enumerate(t.grad for t in whole):
         got = torch.cat([r["grads"][layer] for r in ranks]) / 2
         torch.testing.assert_close(got, grad, atol=1e-6, rtol=0)
+
+
+def test_the_converter_turns_an_expert_parallel_sharded_checkpoint_into_the_full_one(tmp_path) -> None:
+    """`sharded_to_full` of an EP 2 sharded checkpoint (each rank's experts on the expert mesh, DCP) gives the
+    weights and optimizer state of the full file the same run writes, every expert whole."""
+    from lightning_fsdp2.convert import read_full_checkpoint, sharded_to_full
+
+    base, _ = _pretrained("qwen3_moe", str(tmp_path), lora=False)
+    for fmt, name in (("sharded", "ckpt"), ("full", "ckpt.pt")):
+        run_distributed(_resumable, 2, base, {"expert_parallel_size": 2, "state_dict_type": fmt}, 2, 2,
+                        str(tmp_path / name))
+    converted = read_full_checkpoint(sharded_to_full(tmp_path / "ckpt", tmp_path / "converted.ckpt"))
+    full = read_full_checkpoint(tmp_path / "ckpt.pt")
+    assert converted["model"].keys() == full["model"].keys()
+    experts = [k for k in full["model"] if ".mlp.experts." in k]
+    assert experts and all(full["model"][k].shape[0] == EXPERTS for k in experts)
+    for key, value in full["model"].items():
+        assert torch.equal(converted["model"][key], value), key
+    # The full file keys the optimizer's state by index (torch's own), the converted one by parameter name (DCP's):
+    # the param groups list both in the same order.
+    names = converted["optimizer"]["param_groups"][0]["params"]
+    assert full["optimizer"]["param_groups"][0]["params"] == list(range(len(names)))
+    moments = full["optimizer"]["state"]
+    assert len(moments) == len(names) == len(converted["optimizer"]["state"])
+    for index, name in enumerate(names):
+        for what, value in converted["optimizer"]["state"][name].items():
+            assert torch.equal(value, moments[index][what]), (name, what)
+
+
+@pytest.mark.slow
+def test_compiled_blocks_under_expert_parallelism_match_one_process(tmp_path) -> None:
+    """compile=True at EP 2 (each decoder block compiled after the experts were divided: dynamo traces the token
+    exchange's all-to-alls): every weight of one eager process after 3 steps (<= 1e-4)."""
+    base, _ = _pretrained("qwen3_moe", str(tmp_path), lora=False)
+    want = _fabric_reference("qwen3_moe", base, None, steps=3)
+    strategy = {"expert_parallel_size": 2, "compile": True}
+    for rank in run_distributed(_fabric_tp_result, 2, "qwen3_moe", base, None, 3, strategy, timeout=900):
+        _check_experts_divided(rank["placements"], expert=2, shard=1)
+        _assert_matches(rank, want, "compiled blocks at EP 2")

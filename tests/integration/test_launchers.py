@@ -22,6 +22,7 @@ def test_example_runs_under_lightnings_launchers(start_method: str, smollm2_two_
     proc = subprocess.run(
         [sys.executable, str(ROOT / "examples" / "lora_finetune.py"), "--model", str(smollm2_two_layers),
          "--max-steps", "2", "--lr", "3e-3", "--show", "1", "--max-new-tokens", "4", "--start-method", start_method,
+         "--precision", "bf16-true",
          "--out", str(tmp_path)],
         cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600,
     )

@@ -1,0 +1,184 @@
+"""Expert parallelism against FSDP alone and against transformers' own expert parallelism, measured side by side.
+
+One Qwen3-MoE of about 230M parameters (10 layers, 16 experts of every MoE layer, top-2; saved once by
+``save_pretrained``), fully fine-tuned with AdamW in fp32 on CPU/gloo (one thread per process), the same plain loop
+(forward with labels, backward, step) and the same batches for every contender, at world sizes 2 and 4:
+
+- ``ep``: Fabric with ``FSDP2Strategy(expert_parallel_size=W)`` (each rank ``16 / W`` whole experts of every layer),
+  the model built on ``meta`` under ``init_module`` and read by ``load_pretrained``;
+- ``fsdp``: the same with ``FSDP2Strategy()`` (every expert of a layer all-gathered on every rank, forward and
+  backward);
+- ``peer``: transformers' own ``AutoModelForCausalLM.from_pretrained(path,
+  distributed_config=DistributedConfig(fsdp_size=W, ep_size=W))`` (its FSDP2 and its expert-parallel styles), driven
+  by the same loop.
+
+Runs alternate between contenders and repeat; medians come from the same run. Tokens/s counts the tokens of all
+processes over the timed steps (after warm-up). Peak memory is each rank's ``VmHWM`` above what it held once the
+model was set up (its shards loaded): what training adds (gathered parameters, activations, gradients, AdamW's state,
+the all-to-alls' buffers); the loaded size is reported beside it.
+
+    python benchmarks/expert_parallel.py --repeats 2
+
+Writes ``benchmarks/results/expert-parallel.{md,json}``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import time
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import torch  # noqa: E402
+
+from load_pretrained import _status_kb  # noqa: E402
+
+from tests.helpers import run_distributed  # noqa: E402
+
+CONFIG = dict(vocab_size=16384, hidden_size=640, intermediate_size=1280, moe_intermediate_size=640,
+              num_hidden_layers=10, num_attention_heads=10, num_key_value_heads=2, head_dim=64, num_experts=16,
+              num_experts_per_tok=2, decoder_sparse_step=1, max_position_embeddings=512, tie_word_embeddings=False,
+              output_router_logits=False)
+SEQ, BATCH, WARMUP, TIMED = 128, 2, 2, 4
+CONTENDERS = ("ep", "fsdp", "peer")
+
+
+def _model(path: Path) -> None:
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    if (path / "config.json").exists():
+        return
+    torch.manual_seed(0)
+    Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG)).save_pretrained(path, max_shard_size="500MB")
+
+
+def _set_up(name: str, path: str):
+    """(the model to call, the optimizer, a synchronizing barrier) for contender ``name`` on this rank."""
+    world = int(os.environ["WORLD_SIZE"])
+    if name == "peer":
+        import torch.distributed as dist
+        from transformers import AutoModelForCausalLM
+        from transformers.distributed import DistributedConfig
+
+        model = AutoModelForCausalLM.from_pretrained(
+            path, distributed_config=DistributedConfig(fsdp_size=world, ep_size=world), dtype=torch.float32)
+        model.train()
+        return model, torch.optim.AdamW(model.parameters(), lr=1e-5), dist.barrier
+    import lightning as L
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    from lightning_fsdp2 import load_pretrained
+    from lightning_fsdp2.fabric import FSDP2Strategy
+
+    strategy = FSDP2Strategy(expert_parallel_size=world) if name == "ep" else FSDP2Strategy()
+    fabric = L.Fabric(accelerator="cpu", devices=world, strategy=strategy, precision="32-true")
+    fabric.launch()
+    with fabric.init_module():
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG))
+        load_pretrained(model, path)
+    model = fabric.setup_module(model)
+    optimizer = fabric.setup_optimizers(torch.optim.AdamW(model.parameters(), lr=1e-5))
+    return model, optimizer, fabric.barrier
+
+
+def _train(name: str, path: str) -> dict:
+    torch.set_num_threads(1)
+    rank = int(os.environ["RANK"])
+    model, optimizer, barrier = _set_up(name, path)
+    generator = torch.Generator().manual_seed(rank)
+    batches = [torch.randint(0, CONFIG["vocab_size"], (BATCH, SEQ), generator=generator)
+               for _ in range(WARMUP + TIMED)]
+    barrier()
+    loaded_kb = _status_kb("VmRSS")
+    Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux)
+    times = [time.perf_counter()]
+    for batch in batches:
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+        float(loss.detach())
+        times.append(time.perf_counter())
+    seconds = times[-1] - times[WARMUP]
+    world = int(os.environ["WORLD_SIZE"])
+    return {"tokens_per_s": TIMED * BATCH * SEQ * world / seconds, "loaded_mb": loaded_kb / 1024,
+            "peak_mb": (_status_kb("VmHWM") - loaded_kb) / 1024}
+
+
+def measure(worlds: list[int], names: list[str], repeats: int, path: Path) -> dict:
+    runs: dict[tuple[int, str], list[list[dict]]] = {(w, n): [] for w in worlds for n in names}
+    for repeat in range(repeats):
+        for world in worlds:
+            for name in names if repeat % 2 == 0 else list(reversed(names)):  # alternate the order
+                result = run_distributed(_train, world, name, str(path), timeout=1800)
+                runs[(world, name)].append(result)
+                print(f"repeat {repeat}: {name} x{world}: {result[0]['tokens_per_s']:.0f} tokens/s,"
+                      f" +{max(r['peak_mb'] for r in result):.0f} MB", flush=True)
+    summary = {}
+    for (world, name), per_run in runs.items():
+        summary[f"{name}@{world}"] = {
+            "tokens_per_s": statistics.median(r[0]["tokens_per_s"] for r in per_run),
+            "peak_mb_per_rank": [statistics.median(r[k]["peak_mb"] for r in per_run) for k in range(world)],
+            "loaded_mb_per_rank": [statistics.median(r[k]["loaded_mb"] for r in per_run) for k in range(world)],
+        }
+    return summary
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--worlds", type=int, nargs="*", default=[2, 4])
+    parser.add_argument("--only", nargs="*", choices=CONTENDERS, help="contenders to run (default: all)")
+    parser.add_argument("--cache", default=str(ROOT / "benchmarks" / ".cache"))
+    parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
+    args = parser.parse_args()
+    path = Path(args.cache) / "qwen3-moe-230m"
+    _model(path)
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    with torch.device("meta"):
+        model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG))
+    total = sum(p.numel() for p in model.parameters())
+    experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
+    names = args.only or list(CONTENDERS)
+    rows = measure(args.worlds, names, args.repeats, path)
+    lines = [
+        f"Qwen3-MoE {total / 1e6:.0f}M parameters ({experts / 1e6:.0f}M in experts: {CONFIG['num_experts']} per layer,"
+        f" top-{CONFIG['num_experts_per_tok']}, {CONFIG['num_hidden_layers']} layers), fully fine-tuned with AdamW,"
+        f" seq {SEQ}, {BATCH} sequences per rank per step, fp32, cpu, 1 thread per process, median of {args.repeats}."
+        " EP: expert_parallel_size = world size. Peer: transformers' from_pretrained(distributed_config="
+        "DistributedConfig(fsdp_size=W, ep_size=W)) in the same loop. Peak: per rank, above the loaded model.",
+        "",
+        "| world | layout | tokens/s | x FSDP (ours) | x peer | peak per rank (MB) | loaded per rank (MB) |",
+        "|---:|---|---:|---:|---:|---:|---:|",
+    ]
+    for world in args.worlds:
+        fsdp, peer = rows.get(f"fsdp@{world}"), rows.get(f"peer@{world}")
+        for name in names:
+            row = rows[f"{name}@{world}"]
+            tps = row["tokens_per_s"]
+            vs_fsdp = f"{tps / fsdp['tokens_per_s']:.2f}x" if fsdp else "-"
+            vs_peer = f"{tps / peer['tokens_per_s']:.2f}x" if peer else "-"
+            label = {"ep": f"FSDP2Strategy(expert_parallel_size={world})", "fsdp": "FSDP2Strategy()",
+                     "peer": f"transformers, ep_size={world}"}[name]
+            lines.append(f"| {world} | {label} | {tps:.0f} | {vs_fsdp} | {vs_peer} |"
+                         f" {max(row['peak_mb_per_rank']):.0f} | {max(row['loaded_mb_per_rank']):.0f} |")
+    command = f"python benchmarks/expert_parallel.py --repeats {args.repeats}"
+    command += f" --worlds {' '.join(map(str, args.worlds))}" if args.worlds != [2, 4] else ""
+    command += f" --only {' '.join(args.only)}" if args.only else ""
+    lines += ["", f"Command: `{command}`"]
+    out = Path(args.out) / "expert-parallel"
+    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "command": command}, indent=2) + "\n")
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+if __name__ == "__main__":
+    main()
