@@ -541,6 +541,13 @@ def test_the_converter_turns_an_expert_parallel_sharded_checkpoint_into_the_full
             assert torch.equal(value, moments[index][what]), (name, what)
 
 
+def _compiled_result(*args) -> dict:
+    from torch._dynamo.utils import counters
+
+    result = _fabric_tp_result(*args)
+    return {**result, "graphs": counters["stats"]["unique_graphs"], "inductor": sum(counters["inductor"].values())}
+
+
 @pytest.mark.slow
 def test_compiled_blocks_under_expert_parallelism_match_one_process(tmp_path) -> None:
     """compile=True at EP 2 (each decoder block compiled after the experts were divided: dynamo traces the token
@@ -548,6 +555,7 @@ def test_compiled_blocks_under_expert_parallelism_match_one_process(tmp_path) ->
     base, _ = _pretrained("qwen3_moe", str(tmp_path), lora=False)
     want = _fabric_reference("qwen3_moe", base, None, steps=3)
     strategy = {"expert_parallel_size": 2, "compile": True}
-    for rank in run_distributed(_fabric_tp_result, 2, "qwen3_moe", base, None, 3, strategy, timeout=900):
+    for rank in run_distributed(_compiled_result, 2, "qwen3_moe", base, None, 3, strategy, timeout=900):
+        assert rank["graphs"] >= 1 and rank["inductor"] > 0, rank  # compiled, by inductor
         _check_experts_divided(rank["placements"], expert=2, shard=1)
         _assert_matches(rank, want, "compiled blocks at EP 2")
