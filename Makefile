@@ -35,7 +35,7 @@ test: $(STAMP)
 demo: $(DEMO_STAMP)
 	$(PY) examples/lora_finetune.py
 
-# Benchmarks (about 90 minutes on 2 CPU cores): results in benchmarks/results/, tables in docs/performance.md.
+# Benchmarks (about 2 hours on 2 CPU cores): results in benchmarks/results/, tables in docs/performance.md.
 bench: $(STAMP)
 	$(PY) benchmarks/real_model.py --repeats 3
 	$(PY) benchmarks/real_model.py --nf4 --repeats 3
@@ -43,6 +43,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/throughput.py --scaling --repeats 2
 	$(PY) benchmarks/throughput.py --knobs --repeats 2
 	$(PY) benchmarks/throughput.py --tensor-parallel --repeats 2
+	$(PY) benchmarks/expert_parallel.py --repeats 2
+	$(PY) benchmarks/expert_parallel.py --repeats 2 --lora
 	$(PY) benchmarks/auto_layout.py --estimate
 	$(PY) benchmarks/auto_layout.py --contest --repeats 3 --timed 10
 	$(PY) benchmarks/load_pretrained.py --size large --repeats 3

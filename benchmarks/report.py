@@ -3,7 +3,7 @@
     python benchmarks/report.py      # run by `make bench` after the benchmarks
 
 Reads ``benchmarks/results/*.json`` and ``*.md`` (written by real_model.py (two tables), throughput.py (four tables),
-auto_layout.py (two), load_pretrained.py, save.py and memory.py); sections
+auto_layout.py (two), expert_parallel.py (two), load_pretrained.py, save.py and memory.py); sections
 whose results are missing say so.
 """
 
@@ -47,6 +47,14 @@ SECTIONS = [
      " each against Lightning's ModelParallelStrategy with the same plan written by hand. On CPUs with gloo TP is"
      " expected to be slower than FSDP: its all-reduces sit on the critical path of every layer, on the same cores"
      " that compute; `benchmarks/gpu.py --tensor-parallel` measures it on two or more GPUs."),
+    ("Expert parallelism: fully fine-tuned", "expert-parallel", "A Qwen3-MoE of 215M parameters (32 experts per"
+     " layer) at world sizes 2 and 4: `FSDP2Strategy(expert_parallel_size=W)` against `FSDP2Strategy()` and against"
+     " transformers' own FSDP2 with expert parallelism (`from_pretrained(..., distributed_config=DistributedConfig("
+     "fsdp_size=W, ep_size=W))`), each driven by the same plain loop (`python benchmarks/expert_parallel.py --repeats"
+     " 2`)."),
+    ("Expert parallelism: LoRA, the experts frozen", "expert-parallel-lora", "The same model with LoRA on attention,"
+     " against FSDP alone (transformers' peer shards inside `from_pretrained`, before peft could add adapters: not"
+     " run) (`python benchmarks/expert_parallel.py --repeats 2 --lora`)."),
     ("The layout chosen from memory: the estimate", "auto-estimate", "`device_mesh=\"auto\"`'s per-rank estimate of the"
      " two layouts at world size 2 (whole replicas, full sharding) against the measured peak resident set, at three"
      " model sizes (`python benchmarks/auto_layout.py --estimate`)."),
