@@ -35,33 +35,38 @@ def _check_experts_divided(placements: dict, expert: int, shard: int) -> None:
     assert not [n for n, (names, _, _) in placements.items() if "expert" in names and n not in experts]
 
 
+@pytest.mark.parametrize("arch", ["qwen3_moe", "mixtral"])
 @pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_qwen3_moe_under_expert_parallelism_matches_one_process(lora: bool, tmp_path) -> None:
-    """Fabric at world size 2 as one expert group of 2 (each rank 2 of the 4 experts of every layer): loaded by
-    load_pretrained (each rank its experts' slices), LoRA on attention with the experts frozen or every weight
-    trained, 3 SGD steps with momentum: the weights and losses of one process (<= 1e-4)."""
-    base, adapter = _pretrained("qwen3_moe", str(tmp_path), lora=lora)
-    want = _fabric_reference("qwen3_moe", base, adapter, steps=3)
-    ranks = run_distributed(_fabric_tp_result, 2, "qwen3_moe", base, adapter, 3, {"expert_parallel_size": 2})
+def test_moe_models_under_expert_parallelism_match_one_process(arch: str, lora: bool, tmp_path) -> None:
+    """Fabric at world size 2 as one expert group of 2 (each rank 2 of the 4 experts of every layer): Qwen3-MoE and
+    Mixtral loaded by load_pretrained (each rank its experts' slices, from the experts stored one tensor each), LoRA
+    on attention with the experts frozen or every weight trained, 3 SGD steps with momentum: the weights and losses of
+    one process (<= 1e-4)."""
+    base, adapter = _pretrained(arch, str(tmp_path), lora=lora)
+    want = _fabric_reference(arch, base, adapter, steps=3)
+    ranks = run_distributed(_fabric_tp_result, 2, arch, base, adapter, 3, {"expert_parallel_size": 2})
     for rank in ranks:
         _check_experts_divided(rank["placements"], expert=2, shard=1)
-        _assert_matches(rank, want, f"qwen3_moe lora={lora}")
+        _assert_matches(rank, want, f"{arch} lora={lora}")
     # Each rank's loss is its own half of the batch's (as many tokens each): their mean is one process's.
     assert [sum(r["losses"][i] for r in ranks) / len(ranks) for i in range(3)] == pytest.approx(want["losses"], abs=1e-4)
 
 
-@pytest.mark.parametrize(("strategy", "expert", "shard"), [
-    ({"expert_parallel_size": 2}, 2, 2),  # two expert groups of 2; each expert sharded over the 2 ranks holding it
-    ({"expert_parallel_size": 4}, 4, 1),  # one group of 4: one expert per rank
-    ({"device_mesh": {"replicate": 2, "expert": 2}}, 2, 1),  # HSDP: replicas of 2 ranks, one expert group each
-], ids=["ep2-fsdp2", "ep4", "hsdp2-ep2"])
-def test_expert_parallelism_at_world_size_4_matches_one_process(strategy: dict, expert: int, shard: int,
+@pytest.mark.parametrize(("arch", "strategy", "expert", "shard"), [
+    ("qwen3_moe", {"expert_parallel_size": 2}, 2, 2),  # two expert groups of 2; each expert sharded over 2 ranks
+    ("qwen3_moe", {"expert_parallel_size": 4}, 4, 1),  # one group of 4: one expert per rank
+    ("qwen3_moe", {"device_mesh": {"replicate": 2, "expert": 2}}, 2, 1),  # HSDP: one expert group per replica
+    pytest.param("mixtral", {"expert_parallel_size": 2}, 2, 2, marks=pytest.mark.slow),
+    pytest.param("mixtral", {"expert_parallel_size": 4}, 4, 1, marks=pytest.mark.slow),
+], ids=["ep2-fsdp2", "ep4", "hsdp2-ep2", "mixtral-ep2-fsdp2", "mixtral-ep4"])
+def test_expert_parallelism_at_world_size_4_matches_one_process(arch: str, strategy: dict, expert: int, shard: int,
                                                                  tmp_path) -> None:
-    """Every weight trained at world size 4 in each layout expert parallelism composes with: the weights and the
-    mean loss of one process (<= 1e-4), each rank holding its share of the experts."""
-    base, _ = _pretrained("qwen3_moe", str(tmp_path), lora=False)
-    want = _fabric_reference("qwen3_moe", base, None, steps=3)
-    ranks = run_distributed(_fabric_tp_result, 4, "qwen3_moe", base, None, 3, strategy)
+    """Every weight trained at world size 4 in each layout expert parallelism composes with (Qwen3-MoE; Mixtral at
+    EP 2 x FSDP 2 and EP 4): the weights and the mean loss of one process (<= 1e-4), each rank holding its share of
+    the experts."""
+    base, _ = _pretrained(arch, str(tmp_path), lora=False)
+    want = _fabric_reference(arch, base, None, steps=3)
+    ranks = run_distributed(_fabric_tp_result, 4, arch, base, None, 3, strategy)
     for rank in ranks:
         _check_experts_divided(rank["placements"], expert=expert, shard=shard)
         _assert_matches(rank, want, str(strategy))
