@@ -564,3 +564,18 @@ def test_compiled_blocks_under_expert_parallelism_match_one_process(tmp_path) ->
         assert rank["graphs"] >= 1 and rank["inductor"] > 0, rank  # compiled, by inductor
         _check_experts_divided(rank["placements"], expert=2, shard=1)
         _assert_matches(rank, want, "compiled blocks at EP 2")
+
+
+@pytest.mark.slow
+def test_an_hsdp_by_expert_checkpoint_resumes_at_expert_parallelism_alone_and_in_one_process(tmp_path) -> None:
+    """Saved sharded at world size 4 as HSDP x EP (`{"replicate": 2, "expert": 2}`) after 2 of 4 steps, resumed by
+    EP 2 at world size 2 and by one process: each equal to 4 steps of one process (<= 1e-4)."""
+    base, _ = _pretrained("qwen3_moe", str(tmp_path), lora=False)
+    want = _fabric_reference("qwen3_moe", base, None, steps=4)
+    saved = str(tmp_path / "hsdp-ep")
+    run_distributed(_resumable, 4, base, {"device_mesh": {"replicate": 2, "expert": 2}, "state_dict_type": "sharded"},
+                    4, 2, saved)
+    for world, strategy in ((2, {"expert_parallel_size": 2}), (1, {})):
+        for rank in run_distributed(_resumable, world, base, strategy, 4, None, None, saved):
+            assert rank["step"] == 4
+            _assert_matches(rank, want, f"HSDP x EP checkpoint resumed at world size {world} with {strategy}")
