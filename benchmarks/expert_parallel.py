@@ -1,11 +1,11 @@
 """Expert parallelism against FSDP alone and against transformers' own expert parallelism, measured side by side.
 
-One Qwen3-MoE of about 215M parameters (6 layers, 32 experts of every MoE layer, top-2; saved once by
+One Qwen3-MoE of about 216M parameters (6 layers, 32 experts of every MoE layer, top-2; saved once by
 ``save_pretrained``), in fp32 on CPU/gloo (one thread per process), the same plain loop (forward with labels,
 backward, AdamW's step) and the same batches for every contender, at world sizes 2 and 4, fully fine-tuned and (with
 ``--lora``) with LoRA r=8 on the attention projections, the experts frozen:
 
-- ``ep``: Fabric with ``FSDP2Strategy(expert_parallel_size=W)`` (each rank ``16 / W`` whole experts of every layer),
+- ``ep``: Fabric with ``FSDP2Strategy(expert_parallel_size=W)`` (each rank ``32 / W`` whole experts of every layer),
   the model built on ``meta`` under ``init_module`` and read by ``load_pretrained``;
 - ``fsdp``: the same with ``FSDP2Strategy()`` (every expert of a layer all-gathered on every rank, forward and
   backward);
@@ -15,9 +15,10 @@ backward, AdamW's step) and the same batches for every contender, at world sizes
   could add adapters, which its FSDP groups would then neither shard nor reduce.
 
 Runs alternate between contenders and repeat; medians come from the same run. Tokens/s counts the tokens of all
-processes over the timed steps (after warm-up). Peak memory is each rank's ``VmHWM`` above what it held once the
-model was set up (its shards loaded): what training adds (gathered parameters, activations, gradients, AdamW's state,
-the all-to-alls' buffers); the loaded size is reported beside it.
+processes over the timed steps (after warm-up). Memory: each rank's ``VmHWM`` above what it held once the model was
+set up (its shards loaded), what training adds (gathered parameters, activations, gradients, AdamW's state, the
+all-to-alls' buffers); and the resident peak itself (loaded + added), which also counts what each loader left
+resident (transformers' ``from_pretrained`` keeps more).
 
     python benchmarks/expert_parallel.py --repeats 2          # fully fine-tuned
     python benchmarks/expert_parallel.py --repeats 2 --lora   # LoRA on attention, the experts frozen
@@ -135,6 +136,7 @@ def measure(worlds: list[int], names: list[str], repeats: int, path: Path, lora:
             "tokens_per_s": statistics.median(r[0]["tokens_per_s"] for r in per_run),
             "peak_mb_per_rank": [statistics.median(r[k]["peak_mb"] for r in per_run) for k in range(world)],
             "loaded_mb_per_rank": [statistics.median(r[k]["loaded_mb"] for r in per_run) for k in range(world)],
+            "runs": per_run,  # every repeat, every rank: the pairs the medians come from
         }
     return summary
 
@@ -145,32 +147,53 @@ def main() -> None:
     parser.add_argument("--worlds", type=int, nargs="*", default=[2, 4])
     parser.add_argument("--only", nargs="*", choices=CONTENDERS, help="contenders to run (default: all)")
     parser.add_argument("--lora", action="store_true", help="LoRA r=8 on attention, the experts frozen (no peer)")
+    parser.add_argument("--render", action="store_true", help="rewrite the table from the saved JSON, run nothing")
     parser.add_argument("--cache", default=str(ROOT / "benchmarks" / ".cache"))
     parser.add_argument("--out", default=str(ROOT / "benchmarks" / "results"))
     args = parser.parse_args()
-    path = Path(args.cache) / "qwen3-moe-215m"
-    _model(path)
+    out = Path(args.out) / ("expert-parallel-lora" if args.lora else "expert-parallel")
+    names = [n for n in args.only or CONTENDERS if not (args.lora and n == "peer")]
+    if args.render:
+        saved = json.loads(out.with_suffix(".json").read_text())
+        rows, command, repeats = saved["rows"], saved["command"], saved.get("repeats", args.repeats)
+        names = [n for n in CONTENDERS if any(k.startswith(f"{n}@") for k in rows)]
+        worlds = sorted({int(k.split("@")[1]) for k in rows})
+    else:
+        path = Path(args.cache) / "qwen3-moe-216m"
+        _model(path)
+        rows, repeats, worlds = measure(args.worlds, names, args.repeats, path, args.lora), args.repeats, args.worlds
+        command = f"python benchmarks/expert_parallel.py --repeats {args.repeats}" + (" --lora" if args.lora else "")
+        command += f" --worlds {' '.join(map(str, args.worlds))}" if args.worlds != [2, 4] else ""
+        command += f" --only {' '.join(args.only)}" if args.only else ""
+        out.with_suffix(".json").write_text(
+            json.dumps({"rows": rows, "command": command, "repeats": repeats}, indent=2) + "\n")
+    lines = _table(rows, names, worlds, args.lora, repeats) + ["", f"Command: `{command}`"]
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    print("\n".join(lines))
+
+
+def _table(rows: dict, names: list[str], worlds: list[int], lora: bool, repeats: int) -> list[str]:
     from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
 
     with torch.device("meta"):
         model = Qwen3MoeForCausalLM(Qwen3MoeConfig(**CONFIG))
     total = sum(p.numel() for p in model.parameters())
     experts = sum(p.numel() for n, p in model.named_parameters() if ".mlp.experts." in n)
-    names = [n for n in args.only or CONTENDERS if not (args.lora and n == "peer")]
-    rows = measure(args.worlds, names, args.repeats, path, args.lora)
     lines = [
         f"Qwen3-MoE {total / 1e6:.0f}M parameters ({experts / 1e6:.0f}M in experts: {CONFIG['num_experts']} per layer,"
         f" top-{CONFIG['num_experts_per_tok']}, {CONFIG['num_hidden_layers']} layers), "
-        + ("LoRA r=8 on q/k/v/o (the experts frozen)" if args.lora else "fully fine-tuned") + " with AdamW,"
-        f" seq {SEQ}, {BATCH} sequences per rank per step, fp32, cpu, 1 thread per process, median of {args.repeats}."
+        + ("LoRA r=8 on q/k/v/o (the experts frozen)" if lora else "fully fine-tuned") + " with AdamW,"
+        f" seq {SEQ}, {BATCH} sequences per rank per step, fp32, cpu, 1 thread per process, median of {repeats}."
         " EP: expert_parallel_size = world size."
-        + ("" if args.lora else " Peer: transformers' from_pretrained(distributed_config=DistributedConfig("
-           "fsdp_size=W, ep_size=W)) in the same loop.") + " Peak: per rank, above the loaded model.",
+        + ("" if lora else " Peer: transformers' from_pretrained(distributed_config=DistributedConfig("
+           "fsdp_size=W, ep_size=W)) in the same loop.")
+        + " Memory, the largest rank's: what training added to the loaded model, and the resident peak (loaded +"
+        " added), which counts what each loader left resident.",
         "",
-        "| world | layout | tokens/s | x FSDP (ours) | x peer | peak per rank (MB) | loaded per rank (MB) |",
+        "| world | layout | tokens/s | x FSDP (ours) | x peer | added per rank (MB) | resident peak per rank (MB) |",
         "|---:|---|---:|---:|---:|---:|---:|",
     ]
-    for world in args.worlds:
+    for world in worlds:
         fsdp, peer = rows.get(f"fsdp@{world}"), rows.get(f"peer@{world}")
         for name in names:
             row = rows[f"{name}@{world}"]
@@ -179,16 +202,10 @@ def main() -> None:
             vs_peer = f"{tps / peer['tokens_per_s']:.2f}x" if peer else "-"
             label = {"ep": f"FSDP2Strategy(expert_parallel_size={world})", "fsdp": "FSDP2Strategy()",
                      "peer": f"transformers, ep_size={world}"}[name]
+            resident = max(a + b for a, b in zip(row["peak_mb_per_rank"], row["loaded_mb_per_rank"]))
             lines.append(f"| {world} | {label} | {tps:.0f} | {vs_fsdp} | {vs_peer} |"
-                         f" {max(row['peak_mb_per_rank']):.0f} | {max(row['loaded_mb_per_rank']):.0f} |")
-    command = f"python benchmarks/expert_parallel.py --repeats {args.repeats}" + (" --lora" if args.lora else "")
-    command += f" --worlds {' '.join(map(str, args.worlds))}" if args.worlds != [2, 4] else ""
-    command += f" --only {' '.join(args.only)}" if args.only else ""
-    lines += ["", f"Command: `{command}`"]
-    out = Path(args.out) / ("expert-parallel-lora" if args.lora else "expert-parallel")
-    out.with_suffix(".json").write_text(json.dumps({"rows": rows, "command": command}, indent=2) + "\n")
-    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+                         f" {max(row['peak_mb_per_rank']):.0f} | {resident:.0f} |")
+    return lines
 
 
 if __name__ == "__main__":

@@ -47,7 +47,7 @@ SECTIONS = [
      " each against Lightning's ModelParallelStrategy with the same plan written by hand. On CPUs with gloo TP is"
      " expected to be slower than FSDP: its all-reduces sit on the critical path of every layer, on the same cores"
      " that compute; `benchmarks/gpu.py --tensor-parallel` measures it on two or more GPUs."),
-    ("Expert parallelism: fully fine-tuned", "expert-parallel", "A Qwen3-MoE of 215M parameters (32 experts per"
+    ("Expert parallelism: fully fine-tuned", "expert-parallel", "A Qwen3-MoE of 216M parameters (32 experts per"
      " layer) at world sizes 2 and 4: `FSDP2Strategy(expert_parallel_size=W)` against `FSDP2Strategy()` and against"
      " transformers' own FSDP2 with expert parallelism (`from_pretrained(..., distributed_config=DistributedConfig("
      "fsdp_size=W, ep_size=W))`), each driven by the same plain loop (`python benchmarks/expert_parallel.py --repeats"

@@ -123,7 +123,8 @@ def _refusal(case: str, base: str) -> str:
     from tests.models import tiny_model
 
     size = 3 if case == "uneven" else 2
-    options = {"router_aux_loss": "global_batch"} if case == "dense-global-batch" else {"expert_parallel_size": size}
+    global_batch = case in ("dense-global-batch", "tuple-output")
+    options = {"router_aux_loss": "global_batch"} if global_batch else {"expert_parallel_size": size}
     fabric = L.Fabric(accelerator="cpu", devices=size, strategy=FSDP2Strategy(**options))
     fabric.launch()
     try:
@@ -133,7 +134,10 @@ def _refusal(case: str, base: str) -> str:
                 model = get_peft_model(model, LoraConfig(r=4, target_modules=["q_proj", "down_proj"]))
             if case == "qlora":
                 load_pretrained(model, base, quantize="nf4")
-        fabric.setup_module(model)
+        model = fabric.setup_module(model)
+        if case == "tuple-output":
+            tokens = torch.arange(8).view(1, 8)
+            model(input_ids=tokens, labels=tokens, output_router_logits=True, return_dict=False)
     except ValueError as err:
         return str(err)
     return "no error"
@@ -146,6 +150,7 @@ def _refusal(case: str, base: str) -> str:
     ("lora-on-experts", "peft adapters on the experts (['model.layers.0.mlp.experts'"),
     ("qlora", "(QLoRA) does not run with expert parallelism"),
     ("dense-global-batch", "router_aux_loss='global_batch'): LlamaForCausalLM holds no Hugging Face mixture-of-experts"),
+    ("tuple-output", "Qwen3MoeForCausalLM was called with return_dict=False and its router logits on"),
 ])
 def test_what_expert_parallelism_cannot_divide_is_refused_by_name_on_every_rank(case: str, message: str,
                                                                               tmp_path) -> None:
@@ -496,7 +501,14 @@ def _shares(arch: str) -> dict:
     mine = tuple(layer[rank].reshape(-1, EXPERTS).requires_grad_() for layer in logits)
     share = global_batch_share(mine, EXPERTS, 2, mask[2 * rank:2 * rank + 2], dist.group.WORLD, 2)
     share.backward()
-    return {"share": float(share), "grads": [t.grad for t in mine]}
+    # Under `*-true` precision the default dtype is bf16 around forwards: without a mask the counts stay exact fp32.
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        unmasked = global_batch_share(tuple(t.detach() for t in mine), EXPERTS, 2, None, dist.group.WORLD, 2)
+    finally:
+        torch.set_default_dtype(torch.float32)
+    plain = global_batch_share(tuple(t.detach() for t in mine), EXPERTS, 2, None, dist.group.WORLD, 2)
+    return {"share": float(share), "grads": [t.grad for t in mine], "unmasked": (float(unmasked), float(plain))}
 
 
 def test_the_global_batch_share_is_transformers_loss_over_the_whole_padded_batch() -> None:
@@ -514,6 +526,7 @@ def test_the_global_batch_share_is_transformers_loss_over_the_whole_padded_batch
     want = load_balancing_loss_func(whole, EXPERTS, 2, mask)
     want.backward()
     assert sum(r["share"] for r in ranks) / 2 == pytest.approx(float(want), abs=1e-6)
+    assert all(r["unmasked"][0] == r["unmasked"][1] for r in ranks), ranks  # bf16 default dtype: same fp32 share
     for layer, grad in enumerate(t.grad for t in whole):
         got = torch.cat([r["grads"][layer] for r in ranks]) / 2
         torch.testing.assert_close(got, grad, atol=1e-6, rtol=0)
@@ -579,3 +592,20 @@ def test_an_hsdp_by_expert_checkpoint_resumes_at_expert_parallelism_alone_and_in
         for rank in run_distributed(_resumable, world, base, strategy, 4, None, None, saved):
             assert rank["step"] == 4
             _assert_matches(rank, want, f"HSDP x EP checkpoint resumed at world size {world} with {strategy}")
+
+
+def test_the_global_batch_loss_is_offered_for_models_balanced_by_transformers_switch_loss_only() -> None:
+    """Which models' balancing loss router_aux_loss="global_batch" can replace: those whose modeling module holds
+    transformers' Switch-Transformer `load_balancing_loss_func` (compared by code: Qwen3-MoE, Mixtral, Qwen2-MoE,
+    gpt-oss), not Doge's (product-key routing: refused by name)."""
+    import transformers as tf
+
+    from lightning_fsdp2.router_loss import computes_switch_loss
+    from tests.models import tiny_model
+
+    with torch.device("meta"):
+        for arch in ("qwen3_moe", "mixtral", "qwen2_moe", "gpt_oss"):
+            assert computes_switch_loss(tiny_model(arch)[0]), arch
+        doge = tf.DogeForCausalLM(tf.DogeConfig(vocab_size=128, hidden_size=64, intermediate_size=128,
+                                                num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2))
+    assert not computes_switch_loss(doge)

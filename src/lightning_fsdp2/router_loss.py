@@ -14,7 +14,10 @@ averaged over the ranks as data parallelism averages them, and the mean of the r
 over the whole batch.
 
 The model's ``load_balancing_loss_func`` is not replaced: a forward hook on the model takes its ``aux_loss`` out of the
-loss and puts the rank's share in (``aux_loss`` holds the share then).
+loss and puts the rank's share in (``aux_loss`` holds the share then). The share's router probabilities are computed
+in fp32 (transformers' own loss takes the softmax in the logits' dtype: in bf16 a near-tie may rank differently).
+Models whose balancing loss is another function (Doge's, NLLB-MoE's) are refused by name; so is a forward with
+``return_dict=False`` and the router logits on, whose loss cannot be told apart in its output.
 """
 
 from __future__ import annotations
@@ -37,6 +40,7 @@ RouterAuxLoss = Literal["per_rank", "global_batch"]
 ROUTER_AUX_LOSS = ("per_rank", "global_batch")
 
 _MOE_ATTRIBUTES = ("router_aux_loss_coef", "num_experts", "num_experts_per_tok")
+_REFERENCE = "transformers.models.qwen3_moe.modeling_qwen3_moe"  # whose balancing loss the share is derived from
 
 
 def apply_router_loss(module: nn.Module, layout: Layout, mesh: DeviceMesh, over: RouterAuxLoss) -> None:
@@ -53,6 +57,13 @@ def apply_router_loss(module: nn.Module, layout: Layout, mesh: DeviceMesh, over:
             " Qwen3-MoE's, Mixtral's), whose load-balancing loss it computes over the global batch. Drop"
             " router_aux_loss for this model."
         )
+    others = [type(m).__name__ for m in models if not computes_switch_loss(m)]
+    if others:
+        raise ValueError(
+            f"FSDP2Strategy(router_aux_loss='global_batch'): the load-balancing loss of {', '.join(others)} is not"
+            " transformers' Switch-Transformer `load_balancing_loss_func` (Qwen3-MoE's, Mixtral's, ...), whose"
+            " global-batch form this option computes. Drop router_aux_loss for this model."
+        )
     group_mesh = layout.sub_mesh(mesh, DATA_PARALLEL)
     if group_mesh is None:  # one data-parallel rank: its batch is the global batch already
         return
@@ -68,15 +79,39 @@ def moe_models(module: nn.Module) -> list[nn.Module]:
     return [m for _, m in outermost(module, PreTrainedModel) if all(hasattr(m, a) for a in _MOE_ATTRIBUTES)]
 
 
+def computes_switch_loss(model: nn.Module) -> bool:
+    """Whether ``model``'s modeling module balances its experts with transformers' Switch-Transformer loss (the same
+    function, copied into each model's module: compared by its code, not its name; Doge's and NLLB-MoE's differ)."""
+    import importlib
+
+    def code(function: Any) -> Any:
+        c = function.__code__
+        return c.co_code, c.co_names, c.co_consts[1:]  # the docstring aside
+
+    own = getattr(importlib.import_module(type(model).__module__), "load_balancing_loss_func", None)
+    reference = importlib.import_module(_REFERENCE).load_balancing_loss_func
+    return own is not None and code(own) == code(reference)
+
+
 def _global_batch_hook(model: nn.Module, group: Any, ranks: int) -> Any:
     signature = inspect.signature(model.forward)
 
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
+        arguments = signature.bind_partial(*args, **kwargs).arguments
+        if isinstance(output, tuple):  # return_dict=False: the loss cannot be told apart from the other outputs
+            asked = arguments.get("output_router_logits")
+            if asked or (asked is None and getattr(getattr(module, "config", None), "output_router_logits", False)):
+                raise ValueError(
+                    f"FSDP2Strategy(router_aux_loss='global_batch'): {type(module).__name__} was called with"
+                    " return_dict=False and its router logits on; the global-batch balancing loss replaces the"
+                    " model's own in its output's `loss` and `aux_loss`. Call it with return_dict=True (the default)."
+                )
+            return None
         local = getattr(output, "aux_loss", None)
         logits = getattr(output, "router_logits", None)
         if local is None or not logits:  # output_router_logits off: no balancing loss to replace
             return None
-        mask = signature.bind_partial(*args, **kwargs).arguments.get("attention_mask")
+        mask = arguments.get("attention_mask")
         share = global_batch_share(logits, module.num_experts, module.num_experts_per_tok, mask, group, ranks)
         if output.loss is not None:  # the model added coef * aux_loss to its loss (it does when given labels)
             change = module.router_aux_loss_coef * (share - local.to(share.dtype))
@@ -103,7 +138,8 @@ def global_batch_share(
     for logits in router_logits:
         routing = torch.softmax(logits.to(device, torch.float32), dim=-1)
         chosen = torch.topk(routing, top_k, dim=-1).indices.reshape(-1)
-        rows = torch.ones(routing.shape[0], device=device) if weight is None else weight
+        # fp32 whatever the default dtype (`*-true` precision sets it to bf16/fp16 around forwards): counts exactly
+        rows = torch.ones(routing.shape[0], dtype=torch.float32, device=device) if weight is None else weight
         counts = counts.scatter_add(0, chosen, rows.repeat_interleave(top_k))
         probabilities = probabilities + (routing * rows.unsqueeze(-1)).sum(dim=0)
         tokens = tokens + rows.sum()
