@@ -396,40 +396,15 @@ def test_fewer_experts_than_ranks_sharing_them_are_split_by_rows_and_match_one_p
         _assert_matches(rank, want, "2 experts at EP 2 x FSDP 2")
 
 
-def _with_balancing_loss(base: str, strategy: dict) -> dict:
-    """Every weight trained 3 SGD steps with the router's load-balancing loss in the loss (`output_router_logits`)."""
-    fabric, model = _fabric_model("qwen3_moe", base, None, strategy)
-    optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
-    split = fabric.strategy.distributed_sampler_kwargs
-    aux = []
-    for batch in _batches(3, split["num_replicas"], split["rank"]):
-        out = model(input_ids=batch, labels=batch, output_router_logits=True)
-        aux.append(float(out.aux_loss))
-        fabric.backward(out.loss)
-        optimizer.step()
-        optimizer.zero_grad()
-    return {"state": full_state(model), "aux": aux}
-
-
-def test_the_balancing_loss_under_expert_parallelism_is_fsdp_alones(tmp_path) -> None:
-    """With the router's load-balancing loss on, each data-parallel rank computes it over its own batch, so a
-    data-parallel run differs from one process by design; expert parallelism keeps exactly that: EP 2 equals FSDP
-    alone at world size 2 (<= 1e-4), the balancing loss reported alike."""
-    base, _ = _pretrained("qwen3_moe", str(tmp_path), lora=False)
-    ep = run_distributed(_with_balancing_loss, 2, base, {"expert_parallel_size": 2})
-    fsdp = run_distributed(_with_balancing_loss, 2, base, {})
-    for mine, theirs in zip(ep, fsdp):
-        assert all(a > 0 for a in mine["aux"]) and mine["aux"] == pytest.approx(theirs["aux"], abs=1e-5)
-        _assert_matches(mine, theirs, "balancing loss: EP 2 against FSDP alone")
-
-
 COEF = 0.5  # the balancing loss weighted enough that computing it per rank leaves weights far from one process's
 
 
-def _global_batch_run(arch: str, base: str, strategy: dict) -> dict:
-    """3 SGD steps with momentum, every weight trained, the balancing loss in the loss (weight COEF)."""
+def _with_balancing_loss(arch: str, base: str, strategy: dict, coef: float | None = None) -> dict:
+    """3 SGD steps with momentum, every weight trained, the router's load-balancing loss in the loss
+    (`output_router_logits`), weighted `coef` (None: the config's)."""
     fabric, model = _fabric_model(arch, base, None, strategy)
-    model.module.router_aux_loss_coef = COEF
+    if coef is not None:
+        model.module.router_aux_loss_coef = coef
     optimizer = fabric.setup_optimizers(torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9))
     split = fabric.strategy.distributed_sampler_kwargs
     losses, aux = [], []
@@ -441,6 +416,18 @@ def _global_batch_run(arch: str, base: str, strategy: dict) -> dict:
         optimizer.step()
         optimizer.zero_grad()
     return {"state": full_state(model), "losses": losses, "aux": aux}
+
+
+def test_the_balancing_loss_under_expert_parallelism_is_fsdp_alones(tmp_path) -> None:
+    """With the router's load-balancing loss on, each data-parallel rank computes it over its own batch, so a
+    data-parallel run differs from one process by design; expert parallelism keeps exactly that: EP 2 equals FSDP
+    alone at world size 2 (<= 1e-4), the balancing loss reported alike."""
+    base, _ = _pretrained("qwen3_moe", str(tmp_path), lora=False)
+    ep = run_distributed(_with_balancing_loss, 2, "qwen3_moe", base, {"expert_parallel_size": 2})
+    fsdp = run_distributed(_with_balancing_loss, 2, "qwen3_moe", base, {})
+    for mine, theirs in zip(ep, fsdp):
+        assert all(a > 0 for a in mine["aux"]) and mine["aux"] == pytest.approx(theirs["aux"], abs=1e-5)
+        _assert_matches(mine, theirs, "balancing loss: EP 2 against FSDP alone")
 
 
 def _global_batch_reference(base: str) -> dict:
@@ -474,14 +461,15 @@ def test_the_global_batch_balancing_loss_trains_as_one_process(arch: str, world:
     weights visibly apart (> 1e-3): a strategy that ignored the option fails."""
     base, _ = _pretrained(arch, str(tmp_path), lora=False)
     want = _global_batch_reference(base)
-    ranks = run_distributed(_global_batch_run, world, arch, base, {**strategy, "router_aux_loss": "global_batch"})
+    ranks = run_distributed(_with_balancing_loss, world, arch, base, {**strategy, "router_aux_loss": "global_batch"},
+                            COEF)
     for rank in ranks:
         _assert_matches(rank, want, f"{arch} {strategy} global-batch balancing loss")
     for key in ("losses", "aux"):
         mean = [sum(r[key][i] for r in ranks) / world for i in range(3)]
         assert mean == pytest.approx(want[key], abs=1e-5), key
     if world == 2 and not strategy:
-        per_rank = run_distributed(_global_batch_run, 2, arch, base, strategy)[0]
+        per_rank = run_distributed(_with_balancing_loss, 2, arch, base, strategy, COEF)[0]
         worst = max((per_rank["state"][k] - want["state"][k]).abs().max().item() for k in want["state"])
         assert worst > 1e-3, worst
 

@@ -23,7 +23,7 @@ Models whose balancing loss is another function (Doge's, NLLB-MoE's) are refused
 from __future__ import annotations
 
 import inspect
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import torch
 import torch.distributed as dist
@@ -37,7 +37,7 @@ RouterAuxLoss = Literal["per_rank", "global_batch"]
 """Over which tokens a mixture-of-experts model's load-balancing loss is computed: each data-parallel rank's own
 (``"per_rank"``, as data parallelism does) or the step's whole batch (``"global_batch"``, as one process does)."""
 
-ROUTER_AUX_LOSS = ("per_rank", "global_batch")
+ROUTER_AUX_LOSS = get_args(RouterAuxLoss)
 
 _MOE_ATTRIBUTES = ("router_aux_loss_coef", "num_experts", "num_experts_per_tok")
 _REFERENCE = "transformers.models.qwen3_moe.modeling_qwen3_moe"  # whose balancing loss the share is derived from
@@ -97,9 +97,12 @@ def _global_batch_hook(model: nn.Module, group: Any, ranks: int) -> Any:
     signature = inspect.signature(model.forward)
 
     def hook(module: nn.Module, args: tuple, kwargs: dict, output: Any) -> Any:
-        arguments = signature.bind_partial(*args, **kwargs).arguments
+        # Bound only when it is needed: the hook runs on every forward, most of them without router logits.
+        def argument(name: str) -> Any:
+            return signature.bind_partial(*args, **kwargs).arguments.get(name)
+
         if isinstance(output, tuple):  # return_dict=False: the loss cannot be told apart from the other outputs
-            asked = arguments.get("output_router_logits")
+            asked = argument("output_router_logits")
             if asked or (asked is None and getattr(getattr(module, "config", None), "output_router_logits", False)):
                 raise ValueError(
                     f"FSDP2Strategy(router_aux_loss='global_batch'): {type(module).__name__} was called with"
@@ -111,7 +114,7 @@ def _global_batch_hook(model: nn.Module, group: Any, ranks: int) -> Any:
         logits = getattr(output, "router_logits", None)
         if local is None or not logits:  # output_router_logits off: no balancing loss to replace
             return None
-        mask = arguments.get("attention_mask")
+        mask = argument("attention_mask")
         share = global_batch_share(logits, module.num_experts, module.num_experts_per_tok, mask, group, ranks)
         if output.loss is not None:  # the model added coef * aux_loss to its loss (it does when given labels)
             change = module.router_aux_loss_coef * (share - local.to(share.dtype))
