@@ -45,6 +45,8 @@ bench: $(STAMP)
 	$(PY) benchmarks/throughput.py --tensor-parallel --repeats 2
 	$(PY) benchmarks/expert_parallel.py --repeats 2
 	$(PY) benchmarks/expert_parallel.py --repeats 2 --lora
+	$(PY) benchmarks/context_parallel.py --longest --device-mib 400
+	$(PY) benchmarks/context_parallel.py --at 4096 --repeats 2
 	$(PY) benchmarks/auto_layout.py --estimate
 	$(PY) benchmarks/auto_layout.py --contest --repeats 3 --timed 10
 	$(PY) benchmarks/load_pretrained.py --size large --repeats 3

@@ -3,7 +3,7 @@
     python benchmarks/report.py      # run by `make bench` after the benchmarks
 
 Reads ``benchmarks/results/*.json`` and ``*.md`` (written by real_model.py (two tables), throughput.py (four tables),
-auto_layout.py (two), expert_parallel.py (two), load_pretrained.py, save.py and memory.py); sections
+auto_layout.py (two), expert_parallel.py (two), context_parallel.py, load_pretrained.py, save.py and memory.py); sections
 whose results are missing say so.
 """
 
@@ -55,6 +55,11 @@ SECTIONS = [
     ("Expert parallelism: LoRA, the experts frozen", "expert-parallel-lora", "The same model with LoRA on attention,"
      " against FSDP alone (transformers' peer shards inside `from_pretrained`, before peft could add adapters: not"
      " run) (`python benchmarks/expert_parallel.py --repeats 2 --lora`)."),
+    ("Context parallelism", "context-parallel", "A 4-layer Llama with LoRA on one long sequence per batch:"
+     " `FSDP2Strategy(context_parallel_size=2)` (two ranks share each sequence) against `FSDP2Strategy()` (a sequence"
+     " per rank) at world size 2, and one process: the longest sequence that trains on an emulated device per rank"
+     " (`python benchmarks/context_parallel.py --longest --device-mib 400`), then tokens/s and memory per rank at 4096"
+     " tokens (`python benchmarks/context_parallel.py --at 4096 --repeats 2`)."),
     ("The layout chosen from memory: the estimate", "auto-estimate", "`device_mesh=\"auto\"`'s per-rank estimate of the"
      " two layouts at world size 2 (whole replicas, full sharding) against the measured peak resident set, at three"
      " model sizes (`python benchmarks/auto_layout.py --estimate`)."),

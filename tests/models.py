@@ -313,6 +313,7 @@ def tiny_model(name: str):
         "qwen2": lambda: tf.Qwen2ForCausalLM(tf.Qwen2Config(**lm)),
         "qwen3": lambda: tf.Qwen3ForCausalLM(tf.Qwen3Config(**lm, head_dim=16)),
         "mistral": lambda: tf.MistralForCausalLM(tf.MistralConfig(**lm)),
+        "mistral_window": lambda: tf.MistralForCausalLM(tf.MistralConfig(**lm, sliding_window=8)),
         "gemma": lambda: tf.GemmaForCausalLM(tf.GemmaConfig(**lm, head_dim=16)),
         "gemma2": lambda: tf.Gemma2ForCausalLM(tf.Gemma2Config(**lm, head_dim=16)),
         "phi3": lambda: tf.Phi3ForCausalLM(tf.Phi3Config(**lm, pad_token_id=0)),

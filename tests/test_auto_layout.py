@@ -52,10 +52,14 @@ def _meta_module(**kwargs) -> LlamaModule:
 def test_candidates_go_from_replicas_to_full_sharding() -> None:
     """Fastest first: whole replicas (no all-gather), then each shard size from the smallest, keeping the gathered
     parameters to backward before freeing them; shard groups that straddle nodes unevenly are left out."""
-    assert candidates(4, 4) == [(4, 1, True), (2, 2, False), (2, 2, True), (1, 4, False), (1, 4, True)]
-    assert candidates(2, 2) == [(2, 1, True), (1, 2, False), (1, 2, True)]
+    assert candidates(4, 4) == [(4, 1, True, 1), (2, 2, False, 1), (2, 2, True, 1), (1, 4, False, 1),
+                                (1, 4, True, 1)]
+    assert candidates(2, 2) == [(2, 1, True, 1), (1, 2, False, 1), (1, 2, True, 1)]
     # 12 processes, 4 per node: groups of 3 or 6 straddle nodes (refused by the layout check), 12 is every rank.
-    assert [s for _, s, k in candidates(12, 4) if k] == [1, 2, 4, 12]
+    assert [s for _, s, k, _ in candidates(12, 4) if k] == [1, 2, 4, 12]
+    # Then, for a model that context parallelism can split, full sharding with sequences split over groups inside a
+    # node, the smallest first (8 ranks cannot be a context group on nodes of 4).
+    assert candidates(8, 4, (2, 4, 8))[-2:] == [(1, 4, True, 2), (1, 2, True, 4)]
 
 
 def test_the_estimate_adds_up_each_component() -> None:
@@ -209,17 +213,24 @@ def test_a_model_without_a_causal_lm_forward_holds_back_a_margin() -> None:
 def test_choose_takes_the_fastest_layout_that_fits_and_says_when_none_does() -> None:
     module = _meta_module(lora=False, num_hidden_layers=3)
     report = estimate_layouts(module, 2, batch_shape=(4, 16))
-    replicas, keep, shard = report.candidates
+    replicas, keep, shard, context = report.candidates
     assert (replicas.mesh, keep.mesh, shard.mesh) == ((2, 1), (1, 2), (1, 2))
     assert (keep.reshard_after_forward, shard.reshard_after_forward) == (False, True)
     assert shard.total < keep.total < replicas.total  # full fine-tuning: sharding saves gradients and Adam's state
+    # Last, the sequences split over both ranks (a Llama's 4 heads divide by 2): half the activations, the same shards.
+    assert context.option() == {"replicate": 1, "shard": 1, "context": 2}
+    assert context.activations == -(-shard.activations // 2) and context.parameters == shard.parameters
     assert report.chosen is None and report.budget is None
     assert estimate_layouts(module, 2, batch_shape=(4, 16), memory_budget=_budget(replicas)).chosen.mesh == (2, 1)
     chosen = estimate_layouts(module, 2, batch_shape=(4, 16), memory_budget=_budget(replicas) - 1).chosen
     assert chosen.mesh == (1, 2) and chosen.fits(_budget(replicas) - 1)
+    chosen = estimate_layouts(module, 2, batch_shape=(4, 16), memory_budget=_budget(shard) - 1).chosen
+    from lightning_fsdp2.auto_layout import layout_of
+
+    assert chosen.context == 2 and layout_of(chosen).names == ("shard", "context")
     with pytest.raises(ValueError, match="no layout fits the budget") as err:
-        estimate_layouts(module, 2, batch_shape=(4, 16), memory_budget=_budget(shard) - 1)
-    assert "precision='bf16-true'" in str(err.value) and "| (1, 2) | True |" in str(err.value)
+        estimate_layouts(module, 2, batch_shape=(4, 16), memory_budget=_budget(context) - 1)
+    assert "precision='bf16-true'" in str(err.value) and "| (1, 1) x context 2 | True |" in str(err.value)
     assert "train fewer parameters (LoRA)" in str(err.value)  # full fine-tuning, fp32, no checkpointing
     assert "recompute activations" in str(err.value)
 
@@ -326,6 +337,7 @@ def _fit_auto(start_state: dict, module_kwargs: dict, strategy_kwargs: dict) -> 
     return {"state": full_state(module), "mesh": tuple(trained.device_mesh.shape), "rows": trained.to_local().shape[0],
             "frozen_plain": bool(frozen) and not any(isinstance(p, DTensor) for p in frozen),
             "reshard": _reshards_after_forward(layer), "chosen": strategy.layout_choice.chosen.mesh,
+            "option": strategy.layout_choice.chosen.option(),
             "module_mesh": tuple(module.device_mesh.shape)}
 
 
@@ -339,8 +351,8 @@ def test_auto_replicates_what_fits_and_shards_what_does_not() -> None:
     start = _start_state(**config)
     reference = _fit_reference(start, module_kwargs, {}, world=2)
     report = estimate_layouts(_meta_module(**module_kwargs), 2, batch_shape=(2, 16), device_type="cpu")
-    replicas, keep, shard = report.candidates
-    assert shard.total < keep.total < replicas.total
+    replicas, keep, shard, context = report.candidates
+    assert context.total < shard.total < keep.total < replicas.total
     for budget, mesh, rows, reshard in ((_budget(replicas), (2, 1), 64, True), (_budget(replicas) - 1, (2,), 32, False),
                                         (_budget(keep) - 1, (2,), 32, True)):
         results = run_distributed(_fit_auto, 2, start, module_kwargs,
@@ -350,6 +362,17 @@ def test_auto_replicates_what_fits_and_shards_what_does_not() -> None:
             assert rank["chosen"] == (mesh if len(mesh) == 2 else (1, 2))
             assert rank["module_mesh"] == mesh  # LightningModule.device_mesh is the chosen one
             _assert_same_weights(rank["state"], reference["state"])
+    # Less than full sharding needs, but its activations halved: each sequence split over both ranks (context
+    # parallelism), which read one batch: one process's weights on that batch.
+    # (lr 1e-3: Adam turns the rounding differences of near-zero gradients, summed over the tokens in another order,
+    # into steps of up to lr.)
+    module_kwargs = {**module_kwargs, "lr": 1e-3}
+    reference = _fit_reference(start, module_kwargs, {}, world=1)
+    for rank in run_distributed(_fit_auto, 2, start, module_kwargs,
+                                {"memory_budget": _budget(shard) - 1, "batch_shape": (2, 16)}):
+        assert (rank["mesh"], rank["rows"], rank["reshard"]) == ((2,), 32, True)  # FSDP2 over shard x context
+        assert rank["option"] == {"replicate": 1, "shard": 1, "context": 2} and rank["module_mesh"] == (1, 2)
+        _assert_same_weights(rank["state"], reference["state"])
 
 
 def test_whole_replicas_leave_a_frozen_base_to_plain_tensors() -> None:

@@ -239,6 +239,7 @@ AUTO = {"device_mesh": "auto"}
     ({"process_group_backend": 3}, TypeError), ({"timeout": 5}, TypeError), ({"state_dict_type": 1}, TypeError),
     ({"save_trainable_only": 1}, TypeError), ({"state_dict_type": "sharded", "async_save": 1}, TypeError),
     ({"verify_checkpoints": "yes"}, TypeError), ({"router_aux_loss": True}, TypeError),
+    ({"expert_parallel_size": "2"}, TypeError), ({"context_parallel_size": 2.0}, TypeError),
     # the type it takes, a value it cannot be: ValueError
     ({"device_mesh": (2, 0)}, ValueError), ({"device_mesh": (2,)}, ValueError), ({"device_mesh": "Auto"}, ValueError),
     ({"device_mesh": {"shard": 0}}, ValueError), ({"device_mesh": {"pipeline": 2}}, ValueError),
@@ -248,6 +249,7 @@ AUTO = {"device_mesh": "auto"}
     ({"activation_checkpointing_every": 0}, ValueError), ({"forward_prefetch": -1}, ValueError),
     ({"unmatched_forward_timeout": -1}, ValueError), ({"peer_timeout": 0}, ValueError),
     ({"state_dict_type": "shard"}, ValueError), ({"router_aux_loss": "global"}, ValueError),
+    ({"expert_parallel_size": 0}, ValueError), ({"context_parallel_size": 0}, ValueError),
 ], ids=lambda v: repr(v) if not isinstance(v, type) else v.__name__)
 def test_an_argument_of_another_type_raises_type_error_and_a_bad_value_value_error(kwargs: dict, kind: type) -> None:
     """One rule for every option, on both front-ends, at construction, naming the argument."""

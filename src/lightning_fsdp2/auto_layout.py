@@ -31,7 +31,8 @@ from torch import Tensor, nn
 from torch.multiprocessing.reductions import StorageWeakRef
 
 from lightning_fsdp2.blocks import checkpointed_names
-from lightning_fsdp2.layout import REPLICATE, SHARD, Layout
+from lightning_fsdp2.context_parallel import causal_lms
+from lightning_fsdp2.layout import CONTEXT, REPLICATE, SHARD, Layout
 from lightning_fsdp2.precision import PrecisionCore
 from lightning_fsdp2.wrap import ModulePolicy, block_names, root_names
 
@@ -104,6 +105,9 @@ class ModelSize:
     activations: int | None = None
     activations_note: str = ""
     checkpointed: bool = False  # some activations are recomputed in backward (activation checkpointing)
+    context_sizes: tuple[int, ...] = ()
+    """The context-parallel group sizes the model can be split over (a Hugging Face causal LM whose query heads they
+    divide: ``context_parallel.causal_lms``); empty: none."""
 
     @property
     def parameters(self) -> int:
@@ -128,6 +132,7 @@ class Estimate:
     activations: int  # saved for backward (estimated), or the margin
     allocator: int = 0  # what the allocator holds beyond live tensors (ALLOCATOR_SHARE)
     frozen_plain: bool = False  # whole replicas whose frozen parameters FSDP2 leaves alone (plain tensors)
+    context: int = 1  # ranks each sequence is split over (context parallelism), inside the shard group
 
     @property
     def total(self) -> int:
@@ -139,13 +144,22 @@ class Estimate:
 
     @property
     def mesh(self) -> tuple[int, int]:
-        """The ``device_mesh=(replicate, shard)`` that asks for this layout."""
+        """The ``device_mesh=(replicate, shard)`` that asks for this layout (with :attr:`context`, the sizes by
+        name: :meth:`option`)."""
         return (self.replicate, self.shard)
+
+    def option(self) -> tuple[int, int] | dict[str, int]:
+        """The ``device_mesh`` that asks for this layout."""
+        if self.context == 1:
+            return self.mesh
+        return {"replicate": self.replicate, "shard": self.shard, "context": self.context}
 
     def describe(self) -> str:
         kind = ("replicated, frozen parameters plain (DDP-like)" if self.frozen_plain else
-                "replicated (DDP-like)" if self.shard == 1 else "fully sharded" if self.replicate == 1 else "HSDP")
-        return (f"device_mesh=({self.replicate}, {self.shard}) [{kind}],"
+                "replicated (DDP-like)" if self.shard == 1 and self.context == 1 else
+                f"fully sharded, sequences split over {self.context} ranks" if self.context > 1 else
+                "fully sharded" if self.replicate == 1 else "HSDP")
+        return (f"device_mesh={self.option()} [{kind}],"
                 f" reshard_after_forward={self.reshard_after_forward}")
 
 
@@ -173,8 +187,9 @@ class LayoutChoice:
         for e in self.candidates:
             fits = "-" if self.budget is None else ("yes" if e.fits(self.budget) else "no")
             mark = " (chosen)" if e is self.chosen else ""
+            shown = f"({e.replicate}, {e.shard})" + (f" x context {e.context}" if e.context > 1 else "")
             lines.append(
-                f"| ({e.replicate}, {e.shard}){mark} | {e.reshard_after_forward} | {_size(e.parameters)} |"
+                f"| {shown}{mark} | {e.reshard_after_forward} | {_size(e.parameters)} |"
                 f" {_size(e.gradients)} | {_size(e.optimizer)} | {_size(e.gathered)} | {_size(e.activations)} |"
                 f" {_size(e.allocator)} | {_size(e.total)} | {fits} |"
             )
@@ -190,6 +205,10 @@ class LayoutChoice:
 
 def layout_of(estimate: Estimate) -> Layout:
     """The :class:`Layout` of a candidate (1-D when every rank shards, as ``device_mesh=None`` makes it)."""
+    if estimate.context > 1:
+        names = ((REPLICATE,) if estimate.replicate > 1 else ()) + (SHARD, CONTEXT)
+        sizes = ((estimate.replicate,) if estimate.replicate > 1 else ()) + (estimate.shard, estimate.context)
+        return Layout(names, sizes)
     if estimate.replicate == 1:
         return Layout((SHARD,), (estimate.shard,))
     return Layout((REPLICATE, SHARD), (estimate.replicate, estimate.shard))
@@ -228,9 +247,27 @@ def measure_model(
         if tensors:
             groups.append(GroupSize(name, tuple(tensors), is_root))
     activations, note = (None, f"{ACTIVATION_MARGIN:.0%} of the budget held back (no batch_shape given)")
+    contexts: tuple[int, ...] = ()
     if batch_shape is not None:
         activations, note = saved_activations(model, batch_shape, checkpointed)
-    return ModelSize(tuple(groups), activations, note, checkpointed=bool(checkpointed))
+        contexts = context_sizes(model, batch_shape[1])
+    return ModelSize(tuple(groups), activations, note, checkpointed=bool(checkpointed), context_sizes=contexts)
+
+
+def context_sizes(model: nn.Module, tokens: int) -> tuple[int, ...]:
+    """The context-parallel group sizes (above 1, up to ``tokens``) ``model`` can be split over: every one its Hugging
+    Face causal LMs accept (``context_parallel.causal_lms``: dense, ``sdpa``/``eager`` attention, query heads they
+    divide); none for other models."""
+    heads = [getattr(getattr(m, "config", None), "num_attention_heads", None) for m in model.modules()
+             if type(m).__name__.endswith("ForCausalLM")]
+    sizes = []
+    for size in range(2, min(max([h for h in heads if isinstance(h, int)], default=1), tokens) + 1):
+        try:
+            causal_lms(model, size)
+        except ValueError:
+            continue
+        sizes.append(size)
+    return tuple(sizes)
 
 
 def _tensor_size(param: Tensor, gathered_dtype: torch.dtype | None, nf4: bool) -> TensorSize:
@@ -374,8 +411,11 @@ def estimate(
     budget: int | None = None,
     device_type: str = "cuda",
     frozen_plain: bool = False,
+    context: int = 1,
 ) -> Estimate:
-    """Per-rank bytes of ``model`` sharded over ``shard`` ranks and replicated ``replicate`` times (``frozen_plain``:
+    """Per-rank bytes of ``model`` sharded over ``shard`` ranks and replicated ``replicate`` times, each sequence
+    split over ``context`` ranks inside the shard group (context parallelism: the parameters sharded over
+    ``shard x context`` ranks, which share each micro-batch, each holding ``1/context`` of its activations) (``frozen_plain``:
     whole replicas whose frozen parameters FSDP2 does not manage and whose roots alone are groups, so that only the
     trained ones are gathered, all together):
 
@@ -395,8 +435,9 @@ def estimate(
       4.3 GB without)."""
     # Nothing to leave plain without frozen parameters (full fine-tuning): the blocks stay groups.
     frozen_plain = frozen_plain and any(not t.trainable for g in model.groups for t in g.tensors)
-    params = sum(int(t.sharded_numel(shard) * t.stored) for g in model.groups for t in g.tensors)
-    grads = sum(int(t.sharded_numel(shard) * t.stored) for g in model.groups for t in g.tensors if t.trainable)
+    group = shard * context  # FSDP2's shard group: the context ranks compute different gradients too
+    params = sum(int(t.sharded_numel(group) * t.stored) for g in model.groups for t in g.tensors)
+    grads = sum(int(t.sharded_numel(group) * t.stored) for g in model.groups for t in g.tensors if t.trainable)
     blocks = [g.gathered_bytes(frozen_plain) for g in model.groups if not g.root]
     roots = sum(g.gathered_bytes(frozen_plain) for g in model.groups if g.root)
     if frozen_plain:  # the roots alone are groups: every trained parameter gathered together
@@ -404,7 +445,11 @@ def estimate(
     held = sum(sorted(blocks, reverse=True)[:2]) if reshard_after_forward else sum(blocks)
     unsharded_grads = max((g.gradient_bytes() for g in model.groups), default=0)
     activations = model.activations
-    if activations is None:
+    if activations is not None:
+        # Each rank of a context group keeps 1/context of every sequence's tokens through the layers, its logits and
+        # its loss; the whole sequence's embeddings and mask (one layer input's worth) are left out of the estimate.
+        activations = -(-activations // context)
+    else:
         activations = int(ACTIVATION_MARGIN * budget) if budget is not None else 0
     known = activations if model.activations is not None else 0
     moving = grads + roots + held + unsharded_grads + known  # the optimizer's state is made once and kept
@@ -412,22 +457,28 @@ def estimate(
     if device_type == "cpu" and reshard_after_forward:
         allocator = max(allocator, sum(blocks))
     return Estimate(replicate, shard, reshard_after_forward, params, grads, optimizer_states * grads,
-                    roots + held + unsharded_grads, activations, allocator, frozen_plain)
+                    roots + held + unsharded_grads, activations, allocator, frozen_plain, context)
 
 
 # ------------------------------------------------------------------------------------------------ 3. the choice
-def candidates(world_size: int, devices_per_node: int) -> list[tuple[int, int, bool]]:
-    """The layouts ``"auto"`` considers, fastest first, as ``(replicate, shard, reshard_after_forward)``: a shard group
-    of one (every rank a whole replica, no all-gathers: DDP's traffic), then HSDP's shard groups from the smallest
-    (inside a node first, then whole nodes), each keeping its gathered parameters from forward to backward (one
-    all-gather per step) before freeing them (two), then full sharding over every rank. Shard groups that straddle
-    nodes unevenly are left out (:meth:`Layout.resolve` refuses them)."""
+def candidates(world_size: int, devices_per_node: int, contexts: Iterable[int] = ()
+               ) -> list[tuple[int, int, bool, int]]:
+    """The layouts ``"auto"`` considers, fastest first, as ``(replicate, shard, reshard_after_forward, context)``: a
+    shard group of one (every rank a whole replica, no all-gathers: DDP's traffic), then HSDP's shard groups from the
+    smallest (inside a node first, then whole nodes), each keeping its gathered parameters from forward to backward
+    (one all-gather per step) before freeing them (two), then full sharding over every rank; last, where a sequence
+    does not fit otherwise, full sharding with each sequence split over ``context`` ranks (``contexts``: the sizes the
+    model takes; the smallest first: fewer all-to-alls' partners, more data parallelism), groups inside a node. Shard
+    groups that straddle nodes unevenly are left out (:meth:`Layout.resolve` refuses them)."""
     sizes = [s for s in range(1, world_size + 1) if world_size % s == 0
              and (s == world_size or devices_per_node % s == 0 or s % devices_per_node == 0)]
     out = []
     for shard in sizes:
         for reshard in ((True,) if shard == 1 else (False, True)):
-            out.append((world_size // shard, shard, reshard))
+            out.append((world_size // shard, shard, reshard, 1))
+    for context in sorted(contexts):
+        if context > 1 and world_size % context == 0 and devices_per_node % context == 0:
+            out.append((1, world_size // context, True, context))
     return out
 
 
@@ -443,8 +494,8 @@ def estimate_all(
 ) -> tuple[Estimate, ...]:
     """:func:`estimate` of every one of :func:`candidates`, in their order (``frozen_plain`` for whole replicas)."""
     return tuple(estimate(model, r, s, k, optimizer_states=optimizer_states, budget=budget, device_type=device_type,
-                          frozen_plain=frozen_plain and s == 1)
-                 for r, s, k in candidates(world_size, devices_per_node))
+                          frozen_plain=frozen_plain and s == 1 and c == 1, context=c)
+                 for r, s, k, c in candidates(world_size, devices_per_node, model.context_sizes))
 
 
 def choose(

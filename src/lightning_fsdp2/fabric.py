@@ -69,7 +69,8 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
     Takes the sharding and checkpoint arguments of the Trainer's :class:`lightning_fsdp2.FSDP2Strategy`, with the
     same meaning: ``auto_wrap_policy``, ``activation_checkpointing_policy``, ``activation_checkpointing_every``,
     ``activation_checkpointing_save``, ``mixed_precision``, ``reshard_after_forward``, ``cpu_offload``,
-    ``device_mesh`` (``"auto"`` too), ``memory_budget``, ``batch_shape``, ``tensor_parallel_size``, ``tensor_parallel_plan``, ``compile``, ``forward_prefetch``,
+    ``device_mesh`` (``"auto"`` too), ``memory_budget``, ``batch_shape``, ``tensor_parallel_size``, ``tensor_parallel_plan``,
+    ``expert_parallel_size``, ``router_aux_loss``, ``context_parallel_size``, ``compile``, ``forward_prefetch``,
     ``backward_prefetch``, ``reshard_last_block``,
     ``offload_activations``, ``unmatched_forward_timeout``, ``peer_timeout`` (from the second ``fabric.backward``
     on; the phases seen are the model's forward, ``backward``, the optimizer step, saving and loading), ``meta_init`` (what ``fabric.init_module()`` does when
@@ -103,6 +104,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: TensorParallelPlan = None,
         expert_parallel_size: int = 1,
+        context_parallel_size: int = 1,
         router_aux_loss: RouterAuxLoss = "per_rank",
         activation_checkpointing_every: int = 1,
         activation_checkpointing_save: SavePolicy | None = None,

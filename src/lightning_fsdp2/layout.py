@@ -11,13 +11,17 @@ The dimensions, outermost (slowest-varying rank) first:
 * ``"shard"``: FSDP's shard groups, consecutive ranks; each parameter is split over them.
 * ``"tensor"``: tensor parallelism's groups, the innermost (adjacent ranks, so a group stays inside a node): the
   layers the plan names are split over them (``tensor_parallel.py``), and they compute one batch together.
+* ``"context"``: context parallelism's groups, between ``"shard"`` and ``"tensor"`` (adjacent ranks after the tensor
+  groups): the ranks of a group read the same batch and each keeps ``1/N`` of every sequence's tokens through the
+  model's layers, attention seeing whole sequences (``context_parallel.py``); they hold different tokens, and so
+  compute different gradients of every parameter: FSDP2 shards over ``"shard"`` and ``"context"`` together.
 * ``"expert"``: expert parallelism's groups, carved out of the shard dimension (torchtitan's and transformers' way:
   not a factor of the world size): each shard group is split into groups of ``expert`` adjacent ranks, each rank of a
   group holding whole experts of every MoE layer and the tokens routed to them travelling within the group
   (``expert_parallel.py``); ranks at the same place in different groups hold the same experts, sharded over them.
 
 ``"replicate"`` and ``"shard"`` are *data-parallel*: ranks at different coordinates on them read different batches;
-ranks that differ only on ``"tensor"`` read the same one. Where FSDP2 keeps each group's parameters (on which ranks,
+ranks that differ only on ``"context"`` or ``"tensor"`` read the same one. Where FSDP2 keeps each group's parameters (on which ranks,
 split along which tensor dimension) is the layout's answer too (:meth:`Layout.storage`). A layout is resolved once
 the processes are known (:meth:`Layout.resolve`, pure: no process group needed) and checked there, on every rank
 alike, before any collective; :meth:`Layout.build_mesh` then makes the ``DeviceMesh`` (a collective).
@@ -28,7 +32,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from torch import Tensor, nn
 from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
@@ -37,6 +41,7 @@ from torch.distributed.tensor import Shard
 REPLICATE = "replicate"
 SHARD = "shard"
 TENSOR = "tensor"
+CONTEXT = "context"
 EXPERT = "expert"
 EXPERT_SHARD = "expert_shard"  # the expert mesh's part of "shard" across expert groups: ranks holding the same experts
 
@@ -52,16 +57,26 @@ class Dimension:
     within: str | None = None
     """The dimension whose ranks it splits into groups (``"expert"`` splits ``"shard"``), rather than a dimension of
     the mesh of its own: its size divides that one's and is no factor of the world size."""
+    fsdp: Literal["replicate", "shard"] | None = None
+    """What FSDP2 does over its ranks, which compute different gradients of every parameter: ``"replicate"`` (HSDP's
+    replicas: each holds every parameter, gradients all-reduced) or ``"shard"`` (each parameter split over them,
+    gradients reduce-scattered; several such dimensions are one shard group, flattened); ``None``: its ranks
+    compute the same gradients (tensor parallelism's, whose split layers are DTensors of their own) or it lies
+    within another dimension."""
 
 
-DIMENSIONS = (Dimension(REPLICATE, data_parallel=True), Dimension(SHARD, data_parallel=True),
-              Dimension(EXPERT, data_parallel=True, within=SHARD), Dimension(TENSOR, data_parallel=False))
+DIMENSIONS = (Dimension(REPLICATE, data_parallel=True, fsdp="replicate"), Dimension(SHARD, data_parallel=True, fsdp="shard"),
+              Dimension(EXPERT, data_parallel=True, within=SHARD), Dimension(CONTEXT, data_parallel=False, fsdp="shard"),
+              Dimension(TENSOR, data_parallel=False))
 """Every dimension a layout may have, in mesh order (outermost, slowest-varying rank first). A new kind of parallelism
 is one more entry here, one more option, and one more step of ``parallel.parallelize`` (see docs/how-it-works.md)."""
 
 DATA_PARALLEL = tuple(d.name for d in DIMENSIONS if d.data_parallel and d.within is None)
 """The mesh dimensions over which ranks read different data (ranks that differ only on the others share a batch; a
 dimension within another reads what that one does)."""
+
+FSDP_SHARD = tuple(d.name for d in DIMENSIONS if d.fsdp == "shard")
+"""The mesh dimensions FSDP2 splits every parameter over (one shard group, flattened when there are several)."""
 
 MeshOption = tuple[int, int] | tuple[int, int, int] | Mapping[str, int] | DeviceMesh | None
 """What ``FSDP2Strategy(device_mesh=...)`` takes: ``None`` (shard over every process), ``(replicate, shard)``,
@@ -144,18 +159,28 @@ def check_expert_given_once(device_mesh: Any, expert_parallel_size: int) -> None
     """Refuse two different expert-parallel sizes, one in ``device_mesh`` and one as ``expert_parallel_size``, and an
     expert dimension a layout form cannot carry (a ready ``DeviceMesh``, ``"auto"``): at construction, and again by
     :meth:`Layout.resolve`."""
-    given = device_mesh.get(EXPERT) if isinstance(device_mesh, Mapping) else None
-    if given is not None and expert_parallel_size not in (1, given):
+    _check_given_once(device_mesh, EXPERT, "expert_parallel_size", expert_parallel_size,
+                      "expert parallelism carves its groups out of the layout's shard dimension")
+
+
+def check_context_given_once(device_mesh: Any, context_parallel_size: int) -> None:
+    """:func:`check_expert_given_once` for ``context_parallel_size``."""
+    _check_given_once(device_mesh, CONTEXT, "context_parallel_size", context_parallel_size,
+                      "context parallelism adds a dimension to the layout")
+
+
+def _check_given_once(device_mesh: Any, name: str, option: str, size: int, why: str) -> None:
+    given = device_mesh.get(name) if isinstance(device_mesh, Mapping) else None
+    if given is not None and size not in (1, given):
         raise ValueError(
-            f"FSDP2Strategy(device_mesh={dict(device_mesh)!r}, expert_parallel_size={expert_parallel_size}): give the"
-            " expert-parallel size once, in device_mesh or as expert_parallel_size."
+            f"FSDP2Strategy(device_mesh={dict(device_mesh)!r}, {option}={size}): give the {name}-parallel size once,"
+            f" in device_mesh or as {option}."
         )
-    if expert_parallel_size > 1 and (isinstance(device_mesh, DeviceMesh) or device_mesh == "auto"):
+    if size > 1 and (isinstance(device_mesh, DeviceMesh) or device_mesh == "auto"):
         form = "a ready DeviceMesh" if isinstance(device_mesh, DeviceMesh) else "device_mesh='auto'"
         raise ValueError(
-            f"FSDP2Strategy(expert_parallel_size={expert_parallel_size}) with {form}: expert parallelism carves its"
-            " groups out of the layout's shard dimension, which it builds itself. Pass device_mesh=None or the sizes"
-            f" (e.g. {{'shard': N, 'expert': {expert_parallel_size}}}) instead."
+            f"FSDP2Strategy({option}={size}) with {form}: {why}, which it builds itself. Pass device_mesh=None or"
+            f" the sizes (e.g. {{'shard': N, '{name}': {size}}}) instead."
         )
 
 
@@ -191,19 +216,22 @@ class Layout:
     @classmethod
     def resolve(
         cls, option: MeshOption, world_size: int, devices_per_node: int, device_type: str, tensor_parallel_size: int = 1,
-        expert_parallel_size: int = 1,
+        expert_parallel_size: int = 1, context_parallel_size: int = 1,
     ) -> Layout:
         """The layout ``FSDP2Strategy(device_mesh=option, tensor_parallel_size=...)`` asks for on ``world_size``
         processes, ``devices_per_node`` of them per node; a ``ValueError`` that says what to change if it cannot
         work. Pure: the same on every rank, so every rank raises together, before any collective."""
         check_tensor_given_once(option, tensor_parallel_size)
         check_expert_given_once(option, expert_parallel_size)
+        check_context_given_once(option, context_parallel_size)
+        context = context_parallel_size
         shown = None  # the user's own form, for the messages
         if isinstance(option, Mapping):
             shown = f"device_mesh={dict(option)}" + (
                 f", tensor_parallel_size={tensor_parallel_size}" if tensor_parallel_size > 1 else "")
             expert_parallel_size = max(option.get(EXPERT, 1), expert_parallel_size)  # given once (checked above)
-            option, tensor_parallel_size = _positional(option, world_size, tensor_parallel_size)
+            context = max(option.get(CONTEXT, 1), context)
+            option, tensor_parallel_size = _positional(option, world_size, tensor_parallel_size, context)
         if isinstance(option, DeviceMesh):
             layout = cls._from_mesh(option, world_size, device_type)
             if tensor_parallel_size not in (1, layout.tensor_size):
@@ -219,26 +247,34 @@ class Layout:
         if option is not None and len(option) == 3:
             tensor = option[2]
         if option is None:
-            if world_size % tensor:
+            if world_size % (tensor * context):
+                what, n = (("tensor_parallel_size", tensor) if context == 1 else ("context_parallel_size", context)
+                           if tensor == 1 else ("tensor x context parallel sizes", tensor * context))
                 raise ValueError(
-                    f"FSDP2Strategy(tensor_parallel_size={tensor}): {world_size} processes (devices x num_nodes) do"
-                    f" not split into tensor-parallel groups of {tensor}. Choose a tensor_parallel_size that divides"
+                    f"FSDP2Strategy({shown or f'{what}={n}'}): {world_size} processes (devices x num_nodes) do not"
+                    f" split into groups of {n} ranks sharing a batch. Choose sizes whose product divides"
                     f" {world_size} (and the devices per node, {devices_per_node})."
                 )
-            replicate, shard = 1, world_size // tensor
+            replicate, shard = 1, world_size // (tensor * context)
         else:
             replicate, shard = option[0], option[1]
-        cls._check_fits(option, replicate, shard, tensor, world_size, devices_per_node, shown)
-        cls._check_expert(expert_parallel_size, shard, tensor, devices_per_node, shown)
-        names = ((REPLICATE,) if option is not None else ()) + (SHARD,) + ((TENSOR,) if tensor > 1 else ())
-        sizes = ((replicate,) if option is not None else ()) + (shard,) + ((tensor,) if tensor > 1 else ())
-        return cls(names, sizes, expert=expert_parallel_size)
+        cls._check_fits(option, replicate, shard, tensor, world_size, devices_per_node, shown, context)
+        cls._check_expert(expert_parallel_size, shard, tensor, devices_per_node, shown, context)
+        kept = [(name, n) for name, n in ((REPLICATE, replicate), (SHARD, shard), (CONTEXT, context), (TENSOR, tensor))
+                if n > 1 or name == SHARD or (name == REPLICATE and option is not None)]
+        return cls(tuple(n for n, _ in kept), tuple(k for _, k in kept), expert=expert_parallel_size)
 
     @staticmethod
-    def _check_expert(expert: int, shard: int, tensor: int, devices_per_node: int, shown: str | None) -> None:
+    def _check_expert(expert: int, shard: int, tensor: int, devices_per_node: int, shown: str | None,
+                      context: int = 1) -> None:
         if expert == 1:
             return
         shown = shown or f"expert_parallel_size={expert}"
+        if context > 1:
+            raise ValueError(
+                f"FSDP2Strategy({shown}, context_parallel_size={context}): expert and context parallelism together do"
+                " not run yet. Keep one of the two."
+            )
         if tensor > 1:
             raise ValueError(
                 f"FSDP2Strategy({shown}, tensor_parallel_size={tensor}): expert and tensor parallelism together do not"
@@ -268,20 +304,24 @@ class Layout:
     @staticmethod
     def _check_fits(
         option: MeshOption, replicate: int, shard: int, tensor: int, world_size: int, devices_per_node: int,
-        shown: str | None = None,
+        shown: str | None = None, context: int = 1,
     ) -> None:
         shown = shown or ", ".join(
             ([f"device_mesh={option}"] if option is not None else [])
-            + ([f"tensor_parallel_size={tensor}"] if tensor > 1 and (option is None or len(option) == 2) else []))
-        if replicate * shard * tensor != world_size:
-            product = f"{replicate} x {shard}" + (f" x {tensor}" if tensor > 1 else "")
+            + ([f"tensor_parallel_size={tensor}"] if tensor > 1 and (option is None or len(option) == 2) else [])
+            + ([f"context_parallel_size={context}"] if context > 1 else []))
+        inner = context * tensor  # the ranks that share a batch
+        if replicate * shard * inner != world_size:
+            others = (" x context" if context > 1 else "") + (" x tensor" if tensor > 1 else "")
+            product = f"{replicate} x {shard}" + (f" x {context}" if context > 1 else "") + (
+                f" x {tensor}" if tensor > 1 else "")
             named = shown.startswith("device_mesh={")  # the advice in the form the user wrote
             sizes = '{"replicate": ..., "shard": ...}' if named else "(replicate, shard)"
             raise ValueError(
-                f"FSDP2Strategy({shown}): {product} = {replicate * shard * tensor}, but there are {world_size}"
-                f" processes (devices x num_nodes). Choose {sizes} with replicate x shard"
-                f"{' x tensor' if tensor > 1 else ''} = {world_size}, e.g. shard = the devices per node"
-                f" ({devices_per_node}{f' / {tensor}' if tensor > 1 else ''}) and replicate = the number of nodes"
+                f"FSDP2Strategy({shown}): {product} = {replicate * shard * inner}, but there are {world_size}"
+                f" processes (devices x num_nodes). Choose {sizes} with replicate x shard{others} = {world_size},"
+                f" e.g. shard = the devices per node ({devices_per_node}{f' / {inner}' if inner > 1 else ''}) and"
+                " replicate = the number of nodes"
                 + (' (or leave "shard" out: it takes the processes the others leave).' if named else ".")
                 + (' "expert" is no factor of the product: its groups are carved out of "shard".'
                    if named and f"'{EXPERT}'" in shown else "")
@@ -296,15 +336,25 @@ class Layout:
                 f" divides the devices per node ({devices_per_node}), or pass a DeviceMesh you built to place them"
                 " yourself."
             )
+        # Context parallelism's all-to-alls run inside every attention layer too (adjacent ranks after the tensor
+        # groups): its groups, with the tensor groups inside them, stay in one node likewise.
+        if context > 1 and devices_per_node % inner:
+            raise ValueError(
+                f"FSDP2Strategy({shown}): context-parallel groups of {context}{f' x {tensor} tensor' if tensor > 1 else ''}"
+                f" ranks straddle nodes of {devices_per_node} devices, and their all-to-alls run inside every"
+                f" attention layer. Choose a context size{' (x tensor size)' if tensor > 1 else ''} that divides the"
+                f" devices per node ({devices_per_node})."
+            )
         # A shard group gathers every parameter in every step: inside one node (or over whole nodes) its traffic
         # stays off, or evenly on, the slow link between nodes. A group that straddles node boundaries unevenly is
         # almost always a mistake in the numbers.
-        span = shard * tensor  # consecutive ranks of one replica
+        span = shard * inner  # consecutive ranks of one replica
         if replicate > 1 and devices_per_node % span and span % devices_per_node:
             raise ValueError(
                 f"FSDP2Strategy({shown}): shard groups of {shard} ranks straddle nodes of {devices_per_node} devices."
-                f" Make `shard`{' x tensor' if tensor > 1 else ''} divide the devices per node (HSDP's usual layout:"
-                f" shard = {devices_per_node // tensor if devices_per_node % tensor == 0 else devices_per_node},"
+                f" Make `shard`{' x context' if context > 1 else ''}{' x tensor' if tensor > 1 else ''} divide the"
+                " devices per node (HSDP's usual layout:"
+                f" shard = {devices_per_node // inner if devices_per_node % inner == 0 else devices_per_node},"
                 " one shard group per node) or a multiple of it (groups of whole nodes)."
             )
 
@@ -343,8 +393,14 @@ class Layout:
 
     @property
     def shard_size(self) -> int:
-        """How many ranks each parameter is split over by FSDP (the shard group)."""
-        return self.size(SHARD)
+        """How many ranks each parameter is split over by FSDP (the shard group: ``"shard"``, and ``"context"``
+        whose ranks compute different gradients too)."""
+        return math.prod(self.size(name) for name in FSDP_SHARD)
+
+    @property
+    def context_size(self) -> int:
+        """How many ranks each sequence's tokens are split over (1: no context parallelism)."""
+        return self.size(CONTEXT)
 
     @property
     def tensor_size(self) -> int:
@@ -380,9 +436,14 @@ class Layout:
 
     def fsdp_mesh(self, mesh: DeviceMesh) -> DeviceMesh:
         """The part of ``mesh`` (:meth:`build_mesh`'s) that ``fully_shard`` takes: 1-D (shard) or 2-D (replicate,
-        shard, HSDP), its data-parallel dimensions."""
+        shard, HSDP), the dimensions whose ranks compute different gradients (:attr:`Dimension.fsdp`); ``"shard"``
+        and ``"context"`` flattened into one shard dimension, ``"shard_context"``."""
         kept = tuple(name for name in self.names if name in DATA_PARALLEL)
-        return mesh if kept == self.names else mesh[self._mesh_names(mesh, kept)]
+        if self.context_size == 1:
+            return mesh if kept == self.names else mesh[self._mesh_names(mesh, kept)]
+        shard = tuple(name for name in self.names if name in FSDP_SHARD)
+        flat = mesh[shard]._flatten("_".join(shard))  # torch keeps one per name: the same group every call
+        return DeviceMesh._concatenate([mesh[REPLICATE], flat]) if REPLICATE in self.names else flat
 
     def storage(self, mesh: DeviceMesh, group: str, module: nn.Module, expert_mesh: DeviceMesh | None = None) -> Storage:
         """Where FSDP2 keeps the parameters group ``group`` (``module``, a qualified name under the model) claims:
@@ -425,7 +486,7 @@ class Layout:
             return None
         shard = self.names.index(SHARD)
         named = self._mesh_names(mesh, (SHARD,))[0] if mesh.mesh_dim_names else shard
-        return mesh._unflatten(named, (self.shard_size // self.expert, self.expert, 1),
+        return mesh._unflatten(named, (self.size(SHARD) // self.expert, self.expert, 1),
                                (EXPERT_SHARD, EXPERT, "expert_alone"))
 
     def sub_mesh(self, mesh: DeviceMesh, names: tuple[str, ...]) -> DeviceMesh | None:
@@ -442,9 +503,14 @@ class Layout:
         return self.sub_mesh(mesh, (TENSOR,))
 
     def shared_batch_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
-        """The ranks that compute one batch together (the dimensions that are not data-parallel: ``"tensor"``), as
-        one 1-D mesh; ``None`` without such a dimension. What one of them holds whole, all of them must hold equal."""
-        return self.sub_mesh(mesh, tuple(d.name for d in DIMENSIONS if not d.data_parallel))
+        """The ranks that compute one batch together and the same gradients (the dimensions that are neither
+        data-parallel nor FSDP's: ``"tensor"``), as one 1-D mesh; ``None`` without such a dimension. What one of
+        them holds whole, all of them must hold equal (a context group's ranks hold FSDP's pieces, each its own)."""
+        return self.sub_mesh(mesh, tuple(d.name for d in DIMENSIONS if not d.data_parallel and d.fsdp is None))
+
+    def context_mesh(self, mesh: DeviceMesh) -> DeviceMesh | None:
+        """The 1-D part of ``mesh`` whose ranks split each sequence, or ``None`` without context parallelism."""
+        return self.sub_mesh(mesh, (CONTEXT,))
 
     def _mesh_names(self, mesh: DeviceMesh, names: tuple[str, ...]) -> tuple[str, ...]:
         """``names`` as ``mesh`` calls its dimensions (a ready mesh may name them otherwise; one that is sliced here
@@ -514,7 +580,8 @@ def local_slice(tensor: Tensor) -> tuple[slice, ...]:
     return tuple(slice(start, start + n) for start, n in zip(offset, shape))
 
 
-def _positional(sizes: Mapping[str, int], world_size: int, tensor_parallel_size: int) -> tuple[Any, int]:
+def _positional(sizes: Mapping[str, int], world_size: int, tensor_parallel_size: int, context: int = 1
+                ) -> tuple[Any, int]:
     """The sizes by name as the positional form and ``tensor_parallel_size``: without ``"replicate"``, ``None`` (one
     shard group of all processes, or of all but the tensor dimension's); else ``(replicate, shard)`` or ``(replicate,
     shard, tensor)``. ``"shard"`` left out takes the processes the others leave."""
@@ -522,14 +589,14 @@ def _positional(sizes: Mapping[str, int], world_size: int, tensor_parallel_size:
     replicate = sizes.get(REPLICATE, 1)
     shard = sizes.get(SHARD)
     if shard is None:
-        if world_size % (replicate * tensor):
+        if world_size % (replicate * tensor * context):
             raise ValueError(
                 f"FSDP2Strategy(device_mesh={dict(sizes)!r}): {world_size} processes (devices x num_nodes) do not"
-                f" split into {replicate * tensor} ({replicate} replicate x {tensor} tensor); give sizes whose"
-                f" product is {world_size}."
+                f" split into {replicate * tensor * context} ({replicate} replicate x {context} context x {tensor}"
+                f" tensor); give sizes whose product is {world_size}."
             )
-        shard = world_size // (replicate * tensor)
-    if replicate == 1 and shard * tensor == world_size:  # {"replicate": 1} is {} (a dimension of one rank is none)
+        shard = world_size // (replicate * tensor * context)
+    if replicate == 1 and shard * tensor * context == world_size:  # {"replicate": 1} is {} (a dimension of one rank is none)
         return None, tensor
     return (replicate, shard) + ((tensor,) if tensor > 1 else ()), 1  # its product checked as the tuple's
 

@@ -29,6 +29,7 @@ from lightning_fsdp2.layout import (
     check_mesh_option,
     check_tensor_given_once,
     check_expert_given_once,
+    check_context_given_once,
     check_parallel_size,
     check_tensor_parallel_size,
 )
@@ -60,8 +61,9 @@ class LayoutOptions:
             "started by the launcher. ``\"auto\"``: chosen once the model exists on ``meta``, before anything is "
             "allocated, from the memory each rank would need (parameters, gradients, Adam's state, gathered "
             "parameters, activations) against ``memory_budget``: the fastest that fits, from a shard group of one "
-            "rank (every rank a whole replica, DDP's traffic) through HSDP to full sharding, and "
-            "``reshard_after_forward`` with it; printed on rank 0 and kept in ``strategy.layout_choice``."
+            "rank (every rank a whole replica, DDP's traffic) through HSDP to full sharding (then, for a causal LM "
+            "with ``batch_shape``, each sequence split over a context group), and ``reshard_after_forward`` with it; "
+            "printed on rank 0 and kept in ``strategy.layout_choice``."
         ),
         "tensor_parallel_size": (
             "split the layers of the tensor-parallel plan over groups of this many adjacent ranks (inside a node; it "
@@ -78,13 +80,24 @@ class LayoutOptions:
             "batch. The model's own plan (a Hugging Face config's ``base_model_ep_plan``) with transformers' "
             "expert-parallel styles. Also ``device_mesh={\"shard\": S, \"expert\": N}``. 1 (default): none."
         ),
+        "context_parallel_size": (
+            "context parallelism for long sequences: the ranks of a group of this many adjacent ranks read the same "
+            "batch and each keeps ``1/N`` of every sequence's tokens through the model's layers; attention sees whole "
+            "sequences for ``1/N`` of the heads (an all-to-all before and after it, DeepSpeed-Ulysses' way), so that "
+            "masks, padding and packed documents behave as in one process. Hugging Face causal LMs called with whole "
+            "batches (``input_ids``, ``labels``, ``attention_mask``, ``position_ids``): the labels are shifted on "
+            "the whole sequence and each rank's loss weighted so that gradients and the returned loss are one "
+            "process's. FSDP2 shards over the shard and context ranks together. Also "
+            "``device_mesh={\"shard\": S, \"context\": N}``. 1 (default): none."
+        ),
         "memory_budget": (
             "with ``device_mesh=\"auto\"``, the bytes each rank may use (an int, or ``\"20GiB\"``/``\"80GB\"``); default: "
             "the device's free memory (on CPU, the available memory divided among the node's processes), the smallest "
             "over the ranks."
         ),
         "batch_shape": (
-            "with ``device_mesh=\"auto\"``, ``(sequences, tokens)`` of one rank's micro-batch: the activations are "
+            "with ``device_mesh=\"auto\"``, ``(sequences, tokens)`` of one rank's micro-batch (a context group's, "
+            "when it splits sequences): the activations are "
             "estimated from one forward of the model on ``meta`` (Hugging Face causal LMs). Without it, a quarter of "
             "the budget is held back for them."
         ),
@@ -93,6 +106,7 @@ class LayoutOptions:
     device_mesh: MeshOption | Literal["auto"] = None
     tensor_parallel_size: int = 1
     expert_parallel_size: int = 1
+    context_parallel_size: int = 1
     memory_budget: int | None = None
     batch_shape: BatchShape | None = None
 
@@ -103,6 +117,7 @@ class LayoutOptions:
         device_mesh: MeshOption | Literal["auto"] = None,
         tensor_parallel_size: int = 1,
         expert_parallel_size: int = 1,
+        context_parallel_size: int = 1,
         memory_budget: int | str | None = None,
         batch_shape: BatchShape | None = None,
     ) -> LayoutOptions:
@@ -113,6 +128,9 @@ class LayoutOptions:
         experts = check_parallel_size(expert_parallel_size, "expert_parallel_size",
                                       "the ranks of one expert group, whose experts each holds a share of")
         check_expert_given_once(mesh, experts)
+        context = check_parallel_size(context_parallel_size, "context_parallel_size",
+                                      "the ranks each sequence's tokens are split over")
+        check_context_given_once(mesh, context)
         budget = check_memory_budget(memory_budget)
         check_batch_shape(batch_shape, "FSDP2Strategy")
         if not auto and (budget is not None or batch_shape is not None):
@@ -127,7 +145,8 @@ class LayoutOptions:
                 " layouts (replicated, HSDP, fully sharded) only. With tensor parallelism give the layout:"
                 f" device_mesh=(replicate, shard, {size}) or tensor_parallel_size alone."
             )
-        return cls(mesh, size, experts, budget, tuple(batch_shape) if batch_shape is not None else None)  # type: ignore[arg-type]
+        return cls(mesh, size, experts, context, budget,  # type: ignore[arg-type]
+                   tuple(batch_shape) if batch_shape is not None else None)
 
     @property
     def auto(self) -> bool:
@@ -137,7 +156,7 @@ class LayoutOptions:
     def resolve(self, world_size: int, devices_per_node: int, device_type: str) -> Layout:
         assert not self.auto
         return Layout.resolve(self.device_mesh, world_size, devices_per_node, device_type,  # type: ignore[arg-type]
-                              self.tensor_parallel_size, self.expert_parallel_size)
+                              self.tensor_parallel_size, self.expert_parallel_size, self.context_parallel_size)
 
 
 @dataclass(frozen=True)

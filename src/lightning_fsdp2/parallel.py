@@ -19,6 +19,8 @@ in the module named):
    among the ranks of an expert group and the tokens routed to them by all-to-all (the model's own plan);
    ``router_loss.apply_router_loss``: with ``router_aux_loss="global_batch"``, a mixture-of-experts model's
    load-balancing loss is computed over every data-parallel rank's batch;
+   ``context_parallel.apply_context_parallel``: with a context dimension, each causal LM's forward splits its
+   sequences over the context group, attention seeing whole sequences (an all-to-all around it);
 5. :func:`apply_checkpointing_and_compile`: activation checkpointing, then ``torch.compile`` of each block
    (``blocks.py``), before any FSDP hook exists;
 6. :func:`apply_fully_shard`: ``fully_shard`` bottom-up, then the roots (``wrap.py``), each group where the layout
@@ -62,6 +64,7 @@ from lightning_fsdp2.init import (
     materialize_module,
     meta_tensor_names,
 )
+from lightning_fsdp2.context_parallel import apply_context_parallel
 from lightning_fsdp2.blocks import (
     apply_activation_checkpointing,
     check_checkpointing_with_compile,
@@ -220,6 +223,7 @@ def parallelize(
     apply_tensor_parallel(module, layout, mesh, options.tensor_parallel.plan, pretrained.quantizes)
     expert_mesh = apply_expert_parallel(module, layout, mesh, pretrained.quantizes)
     apply_router_loss(module, layout, mesh, options.router_loss.over)
+    apply_context_parallel(module, layout, mesh)
     blocks = innermost(block_names(module, options.shard.auto_wrap_policy))
     apply_checkpointing_and_compile(module, blocks, options)
     plain = {p for p in module.parameters() if not p.requires_grad} if choice and choice.chosen.frozen_plain else None

@@ -81,6 +81,7 @@ class FSDP2Strategy(FrontEndCore, ParallelStrategy):
         tensor_parallel_size: int = 1,
         tensor_parallel_plan: TensorParallelPlan = None,
         expert_parallel_size: int = 1,
+        context_parallel_size: int = 1,
         router_aux_loss: RouterAuxLoss = "per_rank",
         activation_checkpointing_every: int = 1,
         activation_checkpointing_save: SavePolicy | None = None,
