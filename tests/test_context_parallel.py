@@ -116,7 +116,8 @@ def _reference(arch: str, base: str, adapter: str | None, shape: str, length: in
     return {"state": {k: v.detach().clone() for k, v in model.state_dict().items()}, "losses": losses}
 
 
-def _fabric_cp(arch: str, base: str, adapter: str | None, shape: str, length: int, strategy: dict) -> dict:
+def _fabric_cp(arch: str, base: str, adapter: str | None, shape: str, length: int, strategy: dict,
+               precision: str = "32-true", attention: str = "sdpa") -> dict:
     from peft import get_peft_model
     from transformers import AutoConfig, AutoModelForCausalLM
 
@@ -125,10 +126,11 @@ def _fabric_cp(arch: str, base: str, adapter: str | None, shape: str, length: in
     from lightning_fsdp2.lora import load_adapter
     from tests.test_tensor_parallel import _lora
 
-    fabric = L.Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=FabricStrategy(**strategy))
+    fabric = L.Fabric(accelerator="cpu", devices=int(os.environ["WORLD_SIZE"]), strategy=FabricStrategy(**strategy),
+                      precision=precision)
     fabric.launch()
     with fabric.init_module():
-        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base), attn_implementation="sdpa")
+        model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(base), attn_implementation=attention)
         load_pretrained(model, base)
         if adapter is not None:
             model = get_peft_model(model, _lora(arch))
@@ -189,11 +191,12 @@ MESHES = {  # world size 4
 
 @pytest.mark.slow
 @pytest.mark.parametrize("mesh", list(MESHES))
-@pytest.mark.parametrize("lora", [True, False], ids=["lora", "full"])
-def test_context_parallel_at_world_size_4_matches_one_process(mesh: str, lora: bool, tmp_path) -> None:
-    base, adapter = _pretrained("llama", str(tmp_path), lora)
-    want = _reference("llama", base, adapter, "plain", SEQ)
-    ranks = run_distributed(_fabric_cp, 4, "llama", base, adapter, "plain", SEQ, MESHES[mesh], timeout=600)
+@pytest.mark.parametrize(("arch", "lora"), [("llama", True), ("llama", False), ("qwen3", True), ("mistral", False)],
+                         ids=["llama-lora", "llama-full", "qwen3-lora", "mistral-full"])
+def test_context_parallel_at_world_size_4_matches_one_process(mesh: str, arch: str, lora: bool, tmp_path) -> None:
+    base, adapter = _pretrained(arch, str(tmp_path), lora)
+    want = _reference(arch, base, adapter, "plain", SEQ)
+    ranks = run_distributed(_fabric_cp, 4, arch, base, adapter, "plain", SEQ, MESHES[mesh], timeout=600)
     context = MESHES[mesh].get("context_parallel_size") or MESHES[mesh]["device_mesh"]["context"]
     for rank in ranks:
         _assert_matches(rank, want, mesh)
@@ -202,7 +205,7 @@ def test_context_parallel_at_world_size_4_matches_one_process(mesh: str, lora: b
 
 
 # =========================================================================== activation checkpointing, compile
-@pytest.mark.parametrize("option", ["checkpointing", "compile"])
+@pytest.mark.parametrize("option", ["checkpointing", pytest.param("compile", marks=pytest.mark.slow)])
 def test_checkpointed_and_compiled_layers_under_context_parallelism_match_one_process(option: str, tmp_path) -> None:
     """The decoder layers recomputed in backward (the split travels with the layer's keyword arguments, so the
     recomputation splits alike), or compiled per block: one process's weights."""
@@ -220,6 +223,19 @@ def test_checkpointed_and_compiled_layers_under_context_parallelism_match_one_pr
         _assert_matches(rank, want, option)
         # Compiled, the counter runs when dynamo traces the function, not at every call.
         _check_split(rank, 2, SEQ - 1, passes=2 if option == "checkpointing" else 0)
+
+
+def test_mixed_precision_and_eager_attention_split_alike(tmp_path) -> None:
+    """bf16-mixed (FSDP2 casts each layer's inputs, the split among them, and the eager mask to bf16) with eager
+    attention on a length CP does not divide: every layer splits and exchanges, and the losses stay within bf16's
+    rounding of one process's fp32 ones."""
+    base, adapter = _pretrained("llama", str(tmp_path), True)
+    want = _reference("llama", base, adapter, "padded", SEQ - 1)
+    ranks = run_distributed(_fabric_cp, 2, "llama", base, adapter, "padded", SEQ - 1, {"context_parallel_size": 2},
+                            "bf16-mixed", "eager")
+    for rank in ranks:
+        _check_split(rank, 2, SEQ - 1)
+        assert rank["losses"] == pytest.approx(want["losses"], abs=2e-2)
 
 
 # =========================================================================== the Trainer, validation, logged loss
@@ -308,6 +324,10 @@ def _outputs(base: str, strategy: dict) -> dict:
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         split = list(count.lengths)
+        # A cache asked for (a decoding loop of the caller's own): unsplit, and the cache is the whole sequence's.
+        cached = model(input_ids=batch["input_ids"][:, :6], use_cache=True)
+        step = model(input_ids=batch["input_ids"][:, 6:7], past_key_values=cached.past_key_values).logits
+        unsplit = list(count.lengths[len(split):])
         generated = model.generate(input_ids=batch["input_ids"][:, :6], max_new_tokens=5, do_sample=False)
     # Trained through the gathered logits with a loss of its own: the gradients are one process's.
     model.train()
@@ -316,7 +336,7 @@ def _outputs(base: str, strategy: dict) -> dict:
     fabric.backward(logits_loss)
     grads = {n.removeprefix("_forward_module."): p.grad.full_tensor() for n, p in model.named_parameters()}
     return {"logits": logits, "split": split, "generated": generated, "grads": grads,
-            "own_loss": float(logits_loss)}
+            "own_loss": float(logits_loss), "step": step, "unsplit": unsplit}
 
 
 def test_logits_without_labels_and_generate_are_one_processs(tmp_path) -> None:
@@ -331,6 +351,8 @@ def test_logits_without_labels_and_generate_are_one_processs(tmp_path) -> None:
     with torch.no_grad():
         logits = model(input_ids=batch["input_ids"], attention_mask=batch["attention_mask"]).logits
         generated = model.generate(input_ids=batch["input_ids"][:, :6], max_new_tokens=5, do_sample=False)
+        cached = model(input_ids=batch["input_ids"][:, :6], use_cache=True)
+        step = model(input_ids=batch["input_ids"][:, 6:7], past_key_values=cached.past_key_values).logits
     own = torch.nn.functional.cross_entropy(
         model(input_ids=batch["input_ids"]).logits[:, :-1].flatten(0, 1), batch["input_ids"][:, 1:].flatten())
     own.backward()
@@ -339,6 +361,8 @@ def test_logits_without_labels_and_generate_are_one_processs(tmp_path) -> None:
         assert rank["logits"].shape == logits.shape
         assert (rank["logits"] - logits).abs().max() <= 1e-4
         assert torch.equal(rank["generated"], generated)
+        assert rank["unsplit"] == [6, 6, 1, 1]  # whole on every rank (prompt, then one token per layer)
+        assert (rank["step"] - step).abs().max() <= 1e-4
         assert rank["own_loss"] == pytest.approx(float(own), abs=1e-5)
         worst = max((rank["grads"][n] - p.grad).abs().max().item() for n, p in model.named_parameters())
         assert worst <= 1e-5, worst
@@ -361,6 +385,25 @@ def test_a_context_parallel_run_resumes_from_and_into_other_layouts(fmt: str, pr
     for world, strategy in ((2, {}), (1, {})):
         resumed = run_distributed(fit_resumable, world, str(pretrained), 2, None, str(path), strategy)[0]
         assert_same_run(resumed, straight, f"{fmt} CP 2 checkpoint resumed at world size {world}")
+
+
+@pytest.mark.slow
+def test_a_context_parallel_checkpoint_resumes_at_world_size_4_layouts(pretrained, straight: dict, tmp_path) -> None:
+    """A sharded CP 2 checkpoint resumed at CP 2 x FSDP 2 and CP 2 x TP 2 (world size 4; the straight run's global
+    batch either way), and a CP 2 x TP 2 one resumed by one process: each equal to two epochs straight."""
+    from tests.models import assert_same_run, fit_resumable
+
+    path = tmp_path / "cp2.ckpt"
+    run_distributed(fit_resumable, 2, str(pretrained), 1, str(path), None,
+                    {"context_parallel_size": 2, "state_dict_type": "sharded"})
+    for strategy in ({"context_parallel_size": 2}, {"context_parallel_size": 2, "tensor_parallel_size": 2}):
+        resumed = run_distributed(fit_resumable, 4, str(pretrained), 2, None, str(path), strategy, timeout=600)[0]
+        assert_same_run(resumed, straight, f"CP 2 checkpoint resumed at world size 4 with {strategy}")
+    tp_path = tmp_path / "cp2-tp2.ckpt"
+    run_distributed(fit_resumable, 4, str(pretrained), 1, str(tp_path), None,
+                    {"context_parallel_size": 2, "tensor_parallel_size": 2}, timeout=600)
+    resumed = run_distributed(fit_resumable, 1, str(pretrained), 2, None, str(tp_path), {})[0]
+    assert_same_run(resumed, straight, "CP 2 x TP 2 checkpoint resumed by one process")
 
 
 # =========================================================================== refusals
@@ -390,7 +433,7 @@ def _refusal(case: str) -> str:
             if case == "flex":
                 model.config._attn_implementation = "flex_attention"
         model = fabric.setup_module(model)
-        tokens = torch.arange(8).view(1, 8)
+        tokens = torch.arange(8).view(1, 8) + (fabric.global_rank if case == "different-batches" else 0)
         model(input_ids=tokens, labels=tokens, output_hidden_states=case == "hidden-states")
     except (ValueError, RuntimeError) as err:
         return str(err)
@@ -404,6 +447,7 @@ def _refusal(case: str) -> str:
     ("flex", "computes attention with 'flex_attention'"),
     ("hidden-states", "these are not returned"),
     ("hybrid", "mixes tokens outside its attention function"),
+    ("different-batches", "called LlamaForCausalLM with different batches"),
 ])
 def test_what_context_parallelism_cannot_split_is_refused_by_name_on_every_rank(case: str, message: str) -> None:
     for got in run_distributed(_refusal, 2, case):

@@ -143,8 +143,8 @@ class FrontEndCore:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        """Each data-parallel rank reads a different part of the data; the ranks of a tensor-parallel group (which
-        differ only on the ``"tensor"`` dimension) read the same."""
+        """Each data-parallel rank reads a different part of the data; the ranks of a tensor- or context-parallel
+        group (which differ only on the ``"tensor"`` or ``"context"`` dimension) read the same."""
         if self._layout is None:  # asked before the processes started: every process is data-parallel
             world = self.world_size if self._reported_per_node is not None else self.num_nodes * self.num_processes  # type: ignore[attr-defined]
             return {"num_replicas": world, "rank": self.global_rank}  # type: ignore[attr-defined]

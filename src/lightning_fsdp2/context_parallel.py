@@ -33,7 +33,7 @@ from __future__ import annotations
 import importlib
 import inspect
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -138,20 +138,25 @@ class _Group:
     rank: int
 
 
-@dataclass
 class _Split:
-    """One forward's split of its sequences over a context group (travels as the keyword argument :data:`MARKER`)."""
+    """One forward's split of its sequences over a context group (travels as the keyword argument :data:`MARKER`).
 
-    ranks: _Group
-    length: int
-    """The whole sequence's tokens (as given)."""
-    loss: bool = False
-    """The model computes its loss (labels were given): it stays on this rank's tokens and is weighted."""
-    layers: int = 0
-    """Decoder layers that took this rank's slice in this forward ..."""
-    attentions: int = 0
-    """... and attention calls that exchanged heads for tokens (one per layer, or a layer mixes tokens elsewhere)."""
-    masks: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)
+    A plain class, not a dataclass: FSDP2's mixed-precision cast of a layer's inputs rebuilds dataclasses it finds in
+    them (``dataclasses.replace``), and each layer would count on a copy."""
+
+    __slots__ = ("ranks", "length", "loss", "layers", "attentions")
+
+    def __init__(self, ranks: _Group, length: int) -> None:
+        self.ranks = ranks
+        self.length = length
+        """The whole sequence's tokens (as given)."""
+        self.loss = False
+        """The model computes its loss (labels were given): it stays on this rank's tokens and is weighted."""
+        self.layers = 0
+        """Decoder layers that took this rank's slice in this forward ..."""
+        self.attentions = 0
+        """... and attention calls that exchanged heads for tokens (one per layer, or a layer mixes tokens
+        elsewhere)."""
 
     @property
     def chunk(self) -> int:
@@ -192,15 +197,16 @@ class _Split:
         x = _all_to_all(x, self.ranks.group)  # ... and heads group i comes from rank i
         return x.reshape(n, b, t // n, h, d).permute(1, 2, 0, 3, 4).reshape(b, t // n, n * h, d)
 
-    def whole_mask(self, mask: torch.Tensor | None) -> torch.Tensor | None:
+    def whole_mask(self, mask: torch.Tensor | None, causal: bool, device: torch.device) -> torch.Tensor | None:
         """The model's attention mask for the padded sequence: the padding tokens (past the end) attend to
-        themselves and are attended by nothing. One per mask the model built (a layer type's), kept for the
-        forward."""
-        if mask is None or self.padded == self.length:
+        themselves and are attended by nothing. Without a mask (sdpa's ``is_causal``, or attention over everything)
+        and with padding, an explicit one: ``causal``, or every real token. Made per call (FSDP2's mixed precision
+        hands each layer its own cast copy of the model's mask; sdpa keeps the one it gets for backward)."""
+        if self.padded == self.length:
             return mask
-        for given, padded in self.masks:
-            if given is mask:
-                return padded
+        if mask is None:
+            whole = torch.ones(self.length, self.length, dtype=torch.bool, device=device)
+            mask = (whole.tril() if causal else whole)[None, None]
         if mask.dim() != 4 or mask.shape[-1] != self.length or mask.shape[-2] != self.length:
             raise RuntimeError(
                 f"FSDP2Strategy(context_parallel_size={self.ranks.size}): the attention mask has shape"
@@ -217,7 +223,6 @@ class _Split:
             padded = mask.new_full(shape, torch.finfo(mask.dtype).min)
             padded[..., extra, extra] = 0
         padded[..., : self.length, : self.length] = mask
-        self.masks.append((mask, padded))
         return padded
 
 
@@ -238,13 +243,14 @@ def _install(model: nn.Module, ranks: _Group) -> None:
     AttentionMaskInterface.register(name, ALL_MASK_ATTENTION_FUNCTIONS[inner])  # the mask the model builds anyway
     model.config._attn_implementation = name
     signature = inspect.signature(model.forward)
-    model.register_forward_pre_hook(_split_inputs(signature, ranks), with_kwargs=True)
+    model.register_forward_pre_hook(_split_inputs(signature, ranks, type(model).__name__), with_kwargs=True)
     model.register_forward_hook(_join_outputs(type(model).__name__), with_kwargs=True)
     for layer in _layers(model):
         layer.register_forward_pre_hook(_split_layer_input, with_kwargs=True)
 
 
-def _split_inputs(signature: inspect.Signature, ranks: _Group) -> Callable[..., Any]:
+def _split_inputs(signature: inspect.Signature, ranks: _Group, name: str) -> Callable[..., Any]:
+    """``name``: the model's class, as the user knows it (FSDP2 subclasses it once sharded)."""
     var_keyword = next((p.name for p in signature.parameters.values() if p.kind is p.VAR_KEYWORD), None)
 
     def hook(module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -252,9 +258,9 @@ def _split_inputs(signature: inspect.Signature, ranks: _Group) -> Callable[..., 
         given = {**{k: v for k, v in bound.items() if k != var_keyword}, **bound.get(var_keyword, {})}
         if MARKER in given:
             return None
-        if given.get("cache", given.get("past_key_values")) is not None:
-            # Decoding with a cache (generate()): each rank of the group computes the whole sequence, as one
-            # process does; they hold the same batch, so they stay alike.
+        if given.get("cache", given.get("past_key_values")) is not None or given.get("use_cache") is True:
+            # Decoding with a cache (generate(), or a loop of the caller's own that asks for one): each rank of the
+            # group computes the whole sequence, as one process does; they hold the same batch, so they stay alike.
             return None
         tokens = given.get("input_ids")
         if tokens is None:
@@ -263,20 +269,22 @@ def _split_inputs(signature: inspect.Signature, ranks: _Group) -> Callable[..., 
             return None
         shown = f"FSDP2Strategy(context_parallel_size={ranks.size})"
         asked = [n for n in ("output_attentions", "output_hidden_states") if given.get(n)]
-        if asked or given.get("logits_to_keep") not in (None, 0):
+        keep = given.get("logits_to_keep")
+        if asked or not (keep is None or (isinstance(keep, int) and keep == 0)):
             raise ValueError(
-                f"{shown}: {type(module).__name__} was called with {asked or ['logits_to_keep']}; under context"
+                f"{shown}: {name} was called with {asked or ['logits_to_keep']}; under context"
                 " parallelism each rank holds a slice of every sequence's hidden states, so these are not returned."
                 " Call it without them."
             )
         if given.get("return_dict") is False:
             raise ValueError(
-                f"{shown}: {type(module).__name__} was called with return_dict=False; context parallelism sets the"
+                f"{shown}: {name} was called with return_dict=False; context parallelism sets the"
                 " output's `loss` and `logits` by name. Call it with return_dict=True (the default)."
             )
+        _check_same_batch(given, tokens, ranks, name)
         split = _Split(ranks, tokens.shape[1])
         labels, shifted = given.get("labels"), given.get("shift_labels")
-        if labels is not None or shifted is not None:
+        if labels is not None:  # transformers computes the loss when given labels (then shift_labels if given)
             ignore = given.get("ignore_index", -100)
             if shifted is None:  # shifted on the whole sequence: the last token of a slice predicts the next slice's
                 shifted = nn.functional.pad(labels, (0, 1), value=ignore)[..., 1:]
@@ -291,6 +299,33 @@ def _split_inputs(signature: inspect.Signature, ranks: _Group) -> Callable[..., 
         return (), given
 
     return hook
+
+
+def _check_same_batch(given: dict, tokens: torch.Tensor, ranks: _Group, name: str) -> None:
+    """Refuse, on every rank of the group, a forward whose ranks were given different batches (a sampler of the
+    caller's own, data set up before ``device_mesh="auto"`` chose a context group, a stream sharded by global rank):
+    their slices would be stitched into sequences of no batch. One all-reduce of 9 numbers per forward (the same
+    count on every rank, whatever each was given)."""
+    device = tokens.device
+    shape = list(tokens.shape)[:3] + [0] * (3 - min(tokens.dim(), 3))
+    parts = [torch.tensor(shape, dtype=torch.float64, device=device)]
+    for tensor in (tokens, given.get("labels")):
+        if tensor is None:
+            parts.append(torch.tensor([-1.0, 0.0, 0.0], dtype=torch.float64, device=device))
+            continue
+        flat = tensor.detach().reshape(-1).to(torch.float64)
+        weights = torch.arange(flat.numel(), device=device).remainder(97).to(torch.float64) + 1
+        parts.append(torch.stack([flat.new_tensor(float(flat.numel())), flat.sum(), (flat * weights).sum()]))
+    digest = torch.cat(parts)
+    both = torch.cat([digest, -digest])
+    dist.all_reduce(both, op=dist.ReduceOp.MAX, group=ranks.group)
+    if not torch.equal(both[: digest.numel()], -both[digest.numel():]):
+        raise RuntimeError(
+            f"FSDP2Strategy(context_parallel_size={ranks.size}): the ranks of a context group called {name} with"
+            " different batches; they split one batch's sequences between them. Give every rank of a group the same"
+            " batch: the strategy's `distributed_sampler_kwargs` (Lightning's own sampler uses them) count"
+            " data-parallel ranks only; with Fabric and device_mesh='auto', set up the model before the dataloaders."
+        )
 
 
 def _split_layer_input(module: nn.Module, args: tuple, kwargs: dict) -> Any:
@@ -329,7 +364,9 @@ def _attention(inner: str) -> Callable[..., Any]:
             key, value = (t.repeat_interleave(repeat, dim=1) for t in (key, value))
             target = _Groups(module, getattr(module, "num_key_value_groups", heads // kv_heads) // repeat)
         q, k, v = (split.to_heads(t) for t in (query, key, value))
-        out, _ = function(target, q, k, v, split.whole_mask(attention_mask), **kwargs)
+        causal = kwargs.get("is_causal")
+        causal = getattr(module, "is_causal", True) if causal is None else causal
+        out, _ = function(target, q, k, v, split.whole_mask(attention_mask, causal, q.device), **kwargs)
         split.attentions += 1
         return split.to_tokens(out), None
 
@@ -378,9 +415,9 @@ def _join_outputs(name: str) -> Callable[..., Any]:
         elif not split.loss:
             # No labels: the caller reads the logits of the whole sequence (gathered; its gradient comes back to
             # each rank's slice, summed over the group as FSDP2's division by the group expects).
-            from torch.distributed._functional_collectives import all_gather_tensor_autograd, wait_tensor
+            from torch.distributed._functional_collectives import all_gather_single_autograd, wait_tensor
 
-            whole = wait_tensor(all_gather_tensor_autograd(output.logits.contiguous(), gather_dim=1, group=group))
+            whole = wait_tensor(all_gather_single_autograd(output.logits.contiguous(), gather_dim=1, group=group))
             output.logits = whole[:, : split.length]
         return output
 

@@ -166,7 +166,9 @@ def check_expert_given_once(device_mesh: Any, expert_parallel_size: int) -> None
 def check_context_given_once(device_mesh: Any, context_parallel_size: int) -> None:
     """:func:`check_expert_given_once` for ``context_parallel_size``."""
     _check_given_once(device_mesh, CONTEXT, "context_parallel_size", context_parallel_size,
-                      "context parallelism adds a dimension to the layout")
+                      "context parallelism adds a dimension to the layout"
+                      + (" ('auto' given batch_shape= may split sequences itself, when they do not fit otherwise)"
+                         if device_mesh == "auto" else ""))
 
 
 def _check_given_once(device_mesh: Any, name: str, option: str, size: int, why: str) -> None:
@@ -247,12 +249,17 @@ class Layout:
         if option is not None and len(option) == 3:
             tensor = option[2]
         if option is None:
-            if world_size % (tensor * context):
-                what, n = (("tensor_parallel_size", tensor) if context == 1 else ("context_parallel_size", context)
-                           if tensor == 1 else ("tensor x context parallel sizes", tensor * context))
+            if world_size % tensor:
                 raise ValueError(
-                    f"FSDP2Strategy({shown or f'{what}={n}'}): {world_size} processes (devices x num_nodes) do not"
-                    f" split into groups of {n} ranks sharing a batch. Choose sizes whose product divides"
+                    f"FSDP2Strategy(tensor_parallel_size={tensor}): {world_size} processes (devices x num_nodes) do"
+                    f" not split into tensor-parallel groups of {tensor}. Choose a tensor_parallel_size that divides"
+                    f" {world_size} (and the devices per node, {devices_per_node})."
+                )
+            if world_size % (tensor * context):
+                sizes = f"context_parallel_size={context}" + (f", tensor_parallel_size={tensor}" if tensor > 1 else "")
+                raise ValueError(
+                    f"FSDP2Strategy({shown or sizes}): {world_size} processes (devices x num_nodes) do not split into"
+                    f" groups of {tensor * context} ranks sharing a batch. Choose sizes whose product divides"
                     f" {world_size} (and the devices per node, {devices_per_node})."
                 )
             replicate, shard = 1, world_size // (tensor * context)
