@@ -103,9 +103,10 @@ def _train(name: str, tokens: int, steps: int, device_mib: int | None) -> dict:
     Path("/proc/self/clear_refs").write_text("5")  # VmHWM := VmRSS (Linux)
     if device_mib is not None:
         _watch(loaded_kb * 1024 + device_mib * 2**20)
+    first = min(WARMUP, steps - 1)  # the first timed step
     times = [time.perf_counter()]
     for step, batch in enumerate(batches):
-        if step == min(WARMUP, steps - 1):
+        if step == first:
             exchanged[0] = 0.0
         loss = model(input_ids=batch, labels=batch).loss
         backward(loss)
@@ -113,7 +114,6 @@ def _train(name: str, tokens: int, steps: int, device_mib: int | None) -> dict:
         optimizer.zero_grad()
         float(loss.detach())
         times.append(time.perf_counter())
-    first = min(WARMUP, steps - 1)
     seconds = times[-1] - times[first]
     return {"tokens_per_s": (steps - first) * tokens * sequences / seconds, "step_s": seconds / (steps - first),
             "all_to_all_s": exchanged[0] / (steps - first), "peak_mb": (_status_kb("VmHWM") - loaded_kb) / 1024}
